@@ -1,0 +1,127 @@
+"""``mlc-spec compile``: model source -> artifact directory, all or nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import safetensors.numpy
+import tvm
+
+from mlc_spec.models import MODEL_CLASSES, ConfigError, ModelConfig
+from mlc_spec.runtime.artifact import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    FUNCTIONS,
+    LIBRARY_FILE,
+    WEIGHTS_FILE,
+)
+
+from .convert import convert_parameters
+from .errors import CompileError
+from .pipeline import relax_pipeline
+from .progress import Progress
+from .sources import ModelSource, load_source
+from .targets import DEFAULT_DTYPE, check_dtype, make_target
+
+
+def compile_model(
+    model: str | Path,
+    target: str,
+    output: str | Path,
+    dtype: str | None = None,
+    cuda_arch: str = "sm_90",
+    show_progress: bool = True,
+) -> Path:
+    """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``.
+
+    Everything is written into a sibling temporary directory that is renamed at the end, so
+    a failure or an interrupt never leaves a half-written artifact behind.
+    """
+    out = Path(output)
+    if out.exists():
+        raise CompileError(f"output path {out} already exists")
+    tvm_target = make_target(target, cuda_arch)
+    dtype = dtype or DEFAULT_DTYPE[target]
+    check_dtype(target, dtype)
+    progress = Progress(show_progress)
+
+    with progress.stage(f"reading {model}"):
+        source = load_source(model)
+        try:
+            cfg = ModelConfig.from_hf(source.config, dtype)
+        except ConfigError as err:
+            raise CompileError(f"{model}: {err}") from None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        _write_artifact(staging, Path(model), source, cfg, target, tvm_target, progress)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    progress.write(f"wrote {out}")
+    return out
+
+
+def _write_artifact(
+    staging: Path,
+    model_path: Path,
+    source: ModelSource,
+    cfg: ModelConfig,
+    target: str,
+    tvm_target: tvm.target.Target,
+    progress: Progress,
+) -> None:
+    module = MODEL_CLASSES[cfg.family](cfg, tvm_target)
+    module.to(cfg.dtype)
+    ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
+    expected = [(name, tuple(int(d) for d in p.shape)) for name, p in named_params]
+
+    with progress.stage("converting weights"):
+        params = dict(
+            convert_parameters(
+                expected, source.tensors, cfg.dtype, cfg.tie_word_embeddings, progress.count
+            )
+        )
+        safetensors.numpy.save_file(params, str(staging / WEIGHTS_FILE))
+        del params
+
+    with progress.stage(f"compiling for {target}"):
+        try:
+            executable = tvm.compile(
+                ir_module, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target, cfg.dtype)
+            )
+            executable.export_library(str(staging / LIBRARY_FILE))
+        except Exception as err:  # noqa: BLE001 - TVM raises many types
+            last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise CompileError(f"TVM failed to compile for {target}: {last}") from None
+
+    with progress.stage("writing tokenizer and config"):
+        source.save_tokenizer(staging)
+        config = {
+            "format_version": FORMAT_VERSION,
+            "model": cfg.to_dict(),
+            "target": target,
+            "target_spec": str(tvm_target),
+            "tvm_version": tvm.__version__,
+            "functions": list(FUNCTIONS),
+            "params": [
+                {"name": name, "shape": list(shape), "dtype": cfg.dtype} for name, shape in expected
+            ],
+            "bos_token_id": source.config.get("bos_token_id"),
+            "eos_token_ids": _as_list(source.config.get("eos_token_id")),
+            "source": {"path": str(model_path.resolve()), "sha256": source.source_hash},
+        }
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

@@ -1,0 +1,198 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2; Qwen2 adds QKV bias)
+written with ``tvm.relax.frontend.nn``; attention and RoPE run inside TVM's paged KV cache.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up projections are fused
+into one matmul each (``HF_FUSED``) so a decode step reads each layer's input once.
+"""
+
+from __future__ import annotations
+
+from tvm import relax as rx
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.target import Target
+
+from .config import ModelConfig
+
+# Our fused parameter suffix -> the Hugging Face parameters concatenated (along the output rows).
+HF_FUSED = {
+    "self_attn.qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "self_attn.qkv_proj.bias": (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def hf_sources(name: str) -> tuple[str, ...]:
+    """The Hugging Face parameters that make up our parameter ``name`` (one mapping for all
+    weight formats: GGUF tensors are renamed to Hugging Face names before they get here)."""
+    for ours, theirs in HF_FUSED.items():
+        if name.endswith(ours):
+            prefix = name[: -len(ours)]
+            return tuple(prefix + t for t in theirs)
+    return (name,)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.num_q, self.num_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        qkv_rows = (self.num_q + 2 * self.num_kv) * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_q * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+        b, s, _ = x.shape
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
+        out = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
+        return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False)
+
+    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+
+    def forward(self, input_ids: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv, i)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Exports ``prefill``, ``decode``, ``evaluate_multi_query`` and ``create_paged_kv_cache``.
+
+    All three forward functions run on the sequences and lengths given to the KV cache's
+    ``begin_forward`` beforehand; the token ids of all sequences are concatenated (ragged).
+    """
+
+    def __init__(self, cfg: ModelConfig, target: Target):
+        self.cfg = cfg
+        self.target = target
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _logits(self, h: nn.Tensor) -> nn.Tensor:
+        if self.cfg.tie_word_embeddings:
+            logits = op.matmul(h, op.permute_dims(self.model.embed_tokens.weight))
+        else:
+            logits = self.lm_head(h)
+        return logits if logits.dtype == "float32" else logits.astype("float32")
+
+    def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv: PagedKVCache):
+        """New tokens of one or more sequences [1, total]; logits at ``logit_positions``
+        (each sequence's last token) [1, batch, vocab]. Also continues a sequence (chunks)."""
+        h = op.take(self.model(input_ids, kv), logit_positions, axis=1)
+        return self._logits(h), kv
+
+    def decode(self, input_ids: nn.Tensor, kv: PagedKVCache):
+        """One new token for each of a batch of sequences [batch, 1] -> [batch, 1, vocab]."""
+        return self._logits(self.model(input_ids, kv)), kv
+
+    def evaluate_multi_query(self, input_ids: nn.Tensor, kv: PagedKVCache):
+        """Several new tokens per sequence [1, total] -> logits of every token [1, total, vocab]:
+        verifies drafts and recomputes the KV of preempted sequences."""
+        return self._logits(self.model(input_ids, kv)), kv
+
+    def create_paged_kv_cache(
+        self,
+        max_batch_size: tirx.Var,
+        max_total_seq_len: tirx.Var,
+        prefill_chunk_size: tirx.Var,
+        page_size: tirx.Var,
+        support_sliding_window: tirx.Var,
+    ) -> PagedKVCache:
+        c = self.cfg
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=rx.ShapeExpr([0, c.num_hidden_layers]),
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            qk_head_dim=c.head_dim,
+            v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling or {},
+            rope_ext_factors=rx.prim_value(0),
+            rotary_dim=c.head_dim,
+            enable_disaggregation=False,
+            dtype=c.dtype,
+            target=self.target,
+        )
+
+    def get_default_spec(self) -> dict:
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        ids = nn.spec.Tensor([1, "total_len"], "int32")
+        return {
+            "prefill": {
+                "input_ids": ids,
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "kv": kv,
+                "$": packed,
+            },
+            "decode": {
+                "input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
+                "kv": kv,
+                "$": packed,
+            },
+            "evaluate_multi_query": {"input_ids": ids, "kv": kv, "$": packed},
+            "create_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+
+
+__all__ = ["LlamaForCausalLM", "hf_sources"]

