@@ -1,0 +1,1 @@
+"""Running compiled artifacts (imports TVM's runtime only, never its compiler)."""

@@ -6,7 +6,7 @@ with the runtime-only TVM).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +107,26 @@ class Model:
         )
         return logits[0]
 
+    def prefill_chunked(
+        self,
+        kv: PagedKVCache,
+        seq_ids: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        chunk_size: int,
+    ) -> np.ndarray:
+        """``prefill`` in forward passes of at most ``chunk_size`` tokens; logits [b, V]."""
+        logits = np.empty((len(seq_ids), self.vocab_size), dtype=np.float32)
+        for rows, chunks in chunk_rounds(tokens, chunk_size):
+            out = self.prefill(
+                kv,
+                [seq_ids[i] for i in rows],
+                [tokens[i][c] for i, c in zip(rows, chunks, strict=True)],
+            )
+            for j, (i, c) in enumerate(zip(rows, chunks, strict=True)):
+                if c.stop == len(tokens[i]):  # this sequence's last chunk
+                    logits[i] = out[j]
+        return logits
+
     def decode(self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token per sequence; logits [b, V]."""
         b = len(seq_ids)
@@ -122,3 +142,21 @@ class Model:
         return self._run(
             "evaluate_multi_query", kv, seq_ids, lengths, self._ids(flat, (1, len(flat)))
         )[0]
+
+
+def chunk_rounds(
+    tokens: Sequence[Sequence[int]], budget: int
+) -> Iterator[tuple[list[int], list[slice]]]:
+    """Split ragged token lists into forward passes of at most ``budget`` tokens, first come
+    first served: yields the list indices in the pass and the slice each one contributes."""
+    pos = [0] * len(tokens)
+    while any(p < len(t) for p, t in zip(pos, tokens, strict=True)):
+        rows, chunks, left = [], [], budget
+        for i, t in enumerate(tokens):
+            take = min(len(t) - pos[i], left)
+            if take > 0:
+                rows.append(i)
+                chunks.append(slice(pos[i], pos[i] + take))
+                pos[i] += take
+                left -= take
+        yield rows, chunks

@@ -9,7 +9,11 @@ seed, never on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+from .params import SamplingParams
 
 
 def probs_from_logits(
@@ -88,3 +92,13 @@ def sample_from_probs(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     # u < 1 already keeps token <= the last positive one; clamp so u == 1 cannot overrun either.
     last_positive = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)
     return np.minimum(token, last_positive).astype(np.int64)
+
+
+def probs_for(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """``probs_from_logits`` with each row's parameters taken from its request."""
+    return probs_from_logits(
+        logits,
+        np.array([p.temperature for p in params], dtype=np.float64),
+        np.array([p.top_k for p in params], dtype=np.int64),
+        np.array([p.top_p for p in params], dtype=np.float64),
+    )

@@ -1,0 +1,149 @@
+"""The embedding API: ``LLM(model=..., draft_model=..., speculative=...)`` with ``generate``,
+``stream`` and ``chat`` (names as in vLLM)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlc_spec.errors import UserError
+
+from .engine import Engine, EngineConfig
+from .model import Model
+from .params import SamplingParams, SpeculativeConfig
+from .proposers import DraftModelProposer, NgramProposer, Proposer
+from .request import CompletionOutput, Request, RequestOutput
+from .tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        draft_model: str | Path | None = None,
+        speculative: SpeculativeConfig | dict[str, Any] | None = None,
+        max_batch_size: int = 8,
+        max_total_len: int = 8192,
+        prefill_chunk_size: int = 512,
+    ):
+        spec = SpeculativeConfig.parse(speculative)
+        if spec is None and draft_model is not None:
+            spec = SpeculativeConfig(method="draft")
+        if spec is not None and (spec.method == "draft") != (draft_model is not None):
+            raise UserError("speculative method 'draft' needs draft_model, and only it uses one")
+        self.model = Model(model)
+        self.tokenizer = Tokenizer(model)
+        config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size)
+        proposer: Proposer | None = None
+        if spec is not None and spec.method == "ngram":
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            draft = Model(draft_model)
+            self._check_same_vocabulary(draft, Tokenizer(draft_model))
+            kv = draft.create_kv_cache(max_batch_size, max_total_len, prefill_chunk_size)
+            proposer = DraftModelProposer(draft, kv, prefill_chunk_size)
+        self.speculative = spec
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            config,
+            proposer,
+            spec.num_speculative_tokens if spec else 0,
+        )
+
+    def _check_same_vocabulary(self, draft: Model, draft_tokenizer: Tokenizer) -> None:
+        """Rejection sampling compares distributions over one vocabulary, token for token."""
+        if draft.vocab_size != self.model.vocab_size:
+            raise UserError(
+                f"draft model vocabulary ({draft.vocab_size}) differs from the target's "
+                f"({self.model.vocab_size})"
+            )
+        if draft_tokenizer.vocab != self.tokenizer.vocab:
+            raise UserError("draft model tokenizer differs from the target's tokenizer")
+
+    # ---- public API ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion; outputs in the order given."""
+        requests = self._add(prompts, params)
+        for _ in self._run(requests):
+            pass
+        return [self._final(r) for r in requests]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's new text and token ids as soon as a step produces them."""
+        yield from self._run(self._add(prompts, params))
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, formatted by the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params)
+
+    def metrics(self) -> dict[str, Any]:
+        """Engine-wide speculation counters and seconds per phase."""
+        return {**self.engine.stats.to_dict(), "seconds": dict(self.engine.timers.seconds)}
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def _add(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[Request]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
+        requests = []
+        try:
+            for prompt, p in zip(prompts, per_prompt, strict=True):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                requests.append(self.engine.add_request(ids, p, prompt=text))
+        except BaseException:
+            self._abort(requests)
+            raise
+        return requests
+
+    def _run(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        """Step until these requests finish; on any error or early exit, abort them so no
+        KV-cache sequence is left behind."""
+        mine = {r.request_id for r in requests}
+        try:
+            while any(r.unfinished for r in requests):
+                for out in self.engine.step():
+                    if out.request_id in mine:
+                        yield out
+        finally:
+            self._abort(requests)
+
+    def _abort(self, requests: list[Request]) -> None:
+        for r in requests:
+            self.engine.abort(r.request_id)
+
+    @staticmethod
+    def _final(request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(s.index, s.text, s.output_ids, s.finish_reason, s.stats)
+            for s in request.sequences
+        ]
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, True
+        )

@@ -1,0 +1,81 @@
+"""What a user asks for: sampling parameters per request and the speculation config.
+
+Names and defaults follow vLLM's ``SamplingParams`` and ``speculative_config`` so that code
+written for vLLM reads the same here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from mlc_spec.errors import UserError
+
+
+class ParamsError(UserError, ValueError):
+    """Sampling or speculation parameters outside their valid range."""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request decoding parameters. ``temperature=0`` is greedy decoding."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens < 1:
+            raise ParamsError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ParamsError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.n < 1:
+            raise ParamsError(f"n must be at least 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ParamsError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    """How drafts are proposed: ``draft`` (a small model, ``LLM(draft_model=...)``) or
+    ``ngram`` (prompt lookup), ``num_speculative_tokens`` drafts per step."""
+
+    method: Literal["draft", "ngram"]
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in ("draft", "ngram"):
+            raise ParamsError(f"unknown speculative method {self.method!r} (draft or ngram)")
+        if self.num_speculative_tokens < 1:
+            raise ParamsError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ParamsError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, cls):
+            return value
+        try:
+            return cls(**value)
+        except TypeError as err:
+            raise ParamsError(f"bad speculative config {value!r}: {err}") from None

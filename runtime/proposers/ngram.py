@@ -1,0 +1,30 @@
+"""Prompt lookup: drafts copied from the latest earlier occurrence of the context's suffix."""
+
+from __future__ import annotations
+
+from ..ngram_index import NgramIndex
+from ..request import Sequence
+from .base import Proposal, Proposer
+
+
+class NgramProposer(Proposer):
+    """No model: the native index is extended with each sequence's new tokens and answers in
+    O(match) per step. Deterministic, so acceptance uses the target's probabilities alone."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, NgramIndex] = {}
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        drafts = []
+        for seq, k in zip(seqs, num_tokens, strict=True):
+            index = self._index.setdefault(seq.seq_id, NgramIndex(self.min_n, self.max_n))
+            index.extend(seq.tokens[len(index) :])
+            drafts.append(index.propose(k))
+        return Proposal(tokens=drafts, probs=None)
+
+    def on_verified(self, seqs: list[Sequence], proposed: list[int], accepted: list[int]) -> None:
+        """Nothing to roll back: the index only ever sees the sequence's accepted tokens."""
+
+    def remove(self, seq: Sequence) -> None:
+        self._index.pop(seq.seq_id, None)

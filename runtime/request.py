@@ -1,0 +1,104 @@
+"""A request and its sequences (one per parallel sample): the state the engine advances.
+
+Invariant of a running sequence: the target's KV cache holds every token but the last one
+(``kv_len == len(tokens) - 1``); the last token is pending, fed by the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from .metrics import SpecStats
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not in the KV cache (new, or preempted)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: Request, index: int, seq_id: int):
+        self.request = request
+        self.index = index
+        self.seq_id = seq_id
+        self.tokens: list[int] = list(request.prompt_token_ids)
+        self.kv_len = 0
+        self.in_cache = False
+        self.sent_tokens = 0  # streamed so far
+        self.sent_text = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.stats = SpecStats()
+        seed = request.params.seed
+        entropy = None if seed is None else [seed, index]
+        # Target sampling and acceptance draw from one stream, the draft from another, so a
+        # seed gives the same output whatever else shares the batch.
+        self.rng = np.random.default_rng(entropy)
+        self.draft_rng = np.random.default_rng(None if entropy is None else [*entropy, 1])
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilled(self) -> bool:
+        """Past its prompt: has output, and its KV holds everything but the pending token."""
+        return len(self.tokens) > self.num_prompt and self.kv_len == len(self.tokens) - 1
+
+    @property
+    def tokens_left(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    status: Status = Status.WAITING
+    sequences: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def unfinished(self) -> list[Sequence]:
+        return [s for s in self.sequences if not s.finished]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's name and fields)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    spec_stats: SpecStats
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's outputs so far; in streaming, ``text``/``token_ids`` are the increments."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
