@@ -56,6 +56,7 @@ class Engine:
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
         self.stats = SpecStats()
         self.timers = Timers()
+        self.num_preemptions = 0
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -258,6 +259,7 @@ class Engine:
             self._preempt(self.scheduler.preempt_newest())
 
     def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
         for seq in request.unfinished:
             self._free(seq)
 

@@ -33,6 +33,6 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self._tok.chat_template:
             raise UserError("this model's tokenizer has no chat template; use generate()")
-        return list(
-            self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        )
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already wrote any special tokens (BOS, role markers) as text.
+        return self._tok.encode(text, add_special_tokens=False)

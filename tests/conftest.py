@@ -9,7 +9,12 @@ import pytest
 
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 
-from tiny_models import make_tiny_model, save_tiny_checkpoint, tiny_config  # noqa: E402
+from tiny_models import (  # noqa: E402
+    make_tiny_model,
+    perturbed_copy,
+    save_tiny_checkpoint,
+    tiny_config,
+)
 
 from mlc_spec.compiler.compile import compile_model  # noqa: E402
 
@@ -17,8 +22,10 @@ from mlc_spec.compiler.compile import compile_model  # noqa: E402
 class TinyModel:
     """A tiny random checkpoint, its transformers reference and its compiled artifact."""
 
-    def __init__(self, root: Path, family: str, seed: int = 0, **config_overrides):
-        self.hf = make_tiny_model(tiny_config(family, **config_overrides), seed)
+    def __init__(self, root: Path, family: str, seed: int = 0, hf=None, **config_overrides):
+        self.hf = (
+            hf if hf is not None else make_tiny_model(tiny_config(family, **config_overrides), seed)
+        )
         self.checkpoint = save_tiny_checkpoint(self.hf, root / "hf")
         self.artifact = compile_model(
             self.checkpoint, "llvm", root / "artifact", show_progress=False
@@ -28,6 +35,16 @@ class TinyModel:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tiny_llama, tmp_path_factory) -> TinyModel:
+    """The tiny Llama with noisy weights: accepts some drafts, rejects others."""
+    return TinyModel(
+        tmp_path_factory.mktemp("tiny_llama_draft"),
+        "llama",
+        hf=perturbed_copy(tiny_llama.hf, scale=0.01),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from mlc_spec.runtime.ngram_index import NgramIndex, propose_numpy
 
 CONFIGS = [(1, 1, 1), (1, 3, 5), (2, 4, 8), (3, 3, 2), (1, 6, 16)]  # (min_n, max_n, k)

@@ -47,11 +47,22 @@ def make_tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> tor
     return model
 
 
+def perturbed_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
+    """A draft that agrees with ``model`` often but not always: its weights plus noise."""
+    torch.manual_seed(seed)
+    draft = transformers.AutoModelForCausalLM.from_config(model.config).eval().float()
+    draft.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return draft
+
+
 def save_tiny_checkpoint(model: torch.nn.Module, out_dir: Path) -> Path:
     """Save weights, config and a word-level tokenizer over the same vocabulary."""
     model.save_pretrained(out_dir)
     vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS}
-    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    vocab.update({f"w{i}": i for i in range(3, model.config.vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(

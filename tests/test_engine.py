@@ -1,0 +1,181 @@
+"""Engine behaviour: bonus tokens and draft backfill, preemption, parallel samples, seeds,
+stops inside an accepted run, chunked prefill, streaming, chat, bad input, no leaked pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import VOCAB
+
+from mlc_spec import LLM, SamplingParams
+from mlc_spec.errors import UserError
+
+PROMPTS = [[5, 9, 14, 3, 77], list(range(40, 75)), [200, 201, 202] * 4]
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [s.token_ids for o in outputs for s in o.outputs]
+
+
+def _no_leak(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.kv.available_pages() == engine.capacity_pages
+    if engine.proposer is not None and hasattr(engine.proposer, "kv"):
+        assert engine.proposer.kv.available_pages() == engine.capacity_pages
+
+
+def test_bonus_token_and_draft_backfill(tiny_llama):
+    """Draft == target: every step emits k + 1 tokens, and the proposals after a bonus token
+    stay right -- impossible unless the draft's missing KV entry was backfilled."""
+    k = 3
+    llm = LLM(
+        tiny_llama.artifact,
+        draft_model=tiny_llama.artifact,
+        speculative={"method": "draft", "num_speculative_tokens": k},
+    )
+    params = SamplingParams(max_tokens=1 + 4 * (k + 1), temperature=0, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert len(out.token_ids) == params.max_tokens
+    # First token from prefill, then 4 steps of k drafts, each fully accepted plus a bonus.
+    assert out.spec_stats.num_drafts == 4
+    assert out.spec_stats.accepted_per_position == [4] * k
+    assert out.spec_stats.mean_accepted_length == k + 1
+    _no_leak(llm)
+
+
+def test_preemption_restores_the_same_output(tiny_llama, tiny_llama_draft):
+    """A cache too small for the batch forces preemption and recomputation; greedy and seeded
+    sampled outputs equal those from a cache that never preempts."""
+    prompts = [list(np.random.default_rng(i).integers(3, VOCAB, 20 + 7 * i)) for i in range(5)]
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(2)
+    ]
+    spec = {"method": "draft", "num_speculative_tokens": 3}
+    draft = tiny_llama_draft.artifact
+    big = LLM(tiny_llama.artifact, draft_model=draft, speculative=spec)
+    small = LLM(tiny_llama.artifact, draft_model=draft, speculative=spec, max_total_len=192)
+    assert _ids(small.generate(prompts, params)) == _ids(big.generate(prompts, params))
+    assert small.engine.num_preemptions > 0 and big.engine.num_preemptions == 0
+    _no_leak(small)
+
+
+def test_parallel_samples_share_the_prompt(tiny_llama):
+    llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": 2})
+    out = llm.generate(PROMPTS[1], SamplingParams(n=4, max_tokens=12, seed=3, ignore_eos=True))
+    samples = [s.token_ids for s in out[0].outputs]
+    assert [s.index for s in out[0].outputs] == [0, 1, 2, 3]
+    assert all(len(s) == 12 for s in samples) and len({tuple(s) for s in samples}) > 1
+    greedy = llm.generate(PROMPTS[1], SamplingParams(n=3, max_tokens=12, temperature=0))
+    assert len({tuple(s.token_ids) for s in greedy[0].outputs}) == 1
+    _no_leak(llm)
+
+
+def test_same_seed_same_output(tiny_llama, tiny_llama_draft):
+    llm = LLM(tiny_llama.artifact, draft_model=tiny_llama_draft.artifact)
+    params = SamplingParams(max_tokens=20, seed=7, top_p=0.9, ignore_eos=True)
+    first = _ids(llm.generate(PROMPTS, params))
+    # Same seed, different batch company: the output depends on the seed alone.
+    again = _ids(llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], params))
+    assert [again[1], again[2], again[0]] == first
+    other = _ids(
+        llm.generate(PROMPTS, SamplingParams(max_tokens=20, seed=8, top_p=0.9, ignore_eos=True))
+    )
+    assert other != first
+
+
+def test_stops_inside_an_accepted_run(tiny_llama):
+    """With draft == target every draft is accepted; stops must still cut the run exactly."""
+    llm = LLM(
+        tiny_llama.artifact,
+        draft_model=tiny_llama.artifact,
+        speculative={"method": "draft", "num_speculative_tokens": 4},
+    )
+    free = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    )[0].outputs[0]
+    stop_at = 6  # a token in the middle of an accepted run of five
+    stop_token = free.token_ids[stop_at]
+    first_hit = free.token_ids.index(stop_token)
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_token])
+    )[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first_hit + 1] and out.finish_reason == "stop"
+
+    length = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    )[0].outputs[0]
+    assert length.token_ids == free.token_ids[:7] and length.finish_reason == "length"
+
+    word = free.text.split()[4]
+    cut = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[word])
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(word)]
+    _no_leak(llm)
+
+
+def test_chunked_prefill_matches_one_pass(tiny_llama):
+    prompt = list(np.random.default_rng(9).integers(3, VOCAB, 150))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    whole = _ids(LLM(tiny_llama.artifact).generate([prompt, PROMPTS[0]], params))
+    chunked = LLM(tiny_llama.artifact, prefill_chunk_size=32)
+    assert _ids(chunked.generate([prompt, PROMPTS[0]], params)) == whole
+
+
+def test_stream_increments_add_up(tiny_llama):
+    llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
+    final = llm.generate(PROMPTS, params)
+    text, ids = {}, {}
+    for delta in llm.stream(PROMPTS, params):
+        out = delta.outputs[0]
+        text[delta.request_id] = text.get(delta.request_id, "") + out.text
+        ids[delta.request_id] = ids.get(delta.request_id, []) + out.token_ids
+    assert list(ids.values()) == [o.outputs[0].token_ids for o in final]
+    assert list(text.values()) == [o.outputs[0].text for o in final]
+
+
+def test_text_prompts_and_chat(tiny_llama):
+    llm = LLM(tiny_llama.artifact)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    by_text = llm.generate("w5 w9 w14", params)[0]
+    assert by_text.prompt_token_ids == llm.tokenizer.encode("w5 w9 w14")
+    chat = llm.chat([{"role": "user", "content": "w5 w9 w14"}], params)[0]
+    assert chat.outputs[0].token_ids == by_text.outputs[0].token_ids  # template: content + " "
+
+
+def test_bad_input_is_rejected_without_leaks(tiny_llama, tiny_qwen2, tmp_path):
+    llm = LLM(tiny_llama.artifact)
+    with pytest.raises(UserError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(UserError, match="token ids must be in"):
+        llm.generate([[1, VOCAB]])
+    with pytest.raises(UserError, match="context length"):
+        llm.generate([[5] * 1000], SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    # A valid prompt queued before a bad one must not stay behind in the engine.
+    with pytest.raises(UserError):
+        llm.generate([[5, 6], []])
+    _no_leak(llm)
+    with pytest.raises(UserError, match="unknown speculative method"):
+        LLM(tiny_llama.artifact, speculative={"method": "eagle"})
+    with pytest.raises(UserError, match="needs draft_model"):
+        LLM(tiny_llama.artifact, speculative={"method": "draft"})
+
+
+def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
+    from conftest import TinyModel
+
+    other = TinyModel(tmp_path, "llama", seed=3, vocab_size=VOCAB + 16)
+    with pytest.raises(UserError, match="vocabulary"):
+        LLM(tiny_llama.artifact, draft_model=other.artifact)
+
+
+def test_interrupted_stream_frees_its_pages(tiny_llama):
+    llm = LLM(tiny_llama.artifact)
+    stream = llm.stream(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))
+    next(stream)
+    stream.close()  # the caller stops listening half way
+    _no_leak(llm)

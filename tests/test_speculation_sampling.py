@@ -1,0 +1,113 @@
+"""Sampling losslessness: with speculation, the distribution of generated tokens equals the
+target's own (checked against the exact distribution computed from the transformers model),
+and a deliberately broken acceptance rule is caught by the same check."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyModel
+from stats import chi2_rejects
+from tiny_models import make_tiny_model, perturbed_copy, tiny_config
+
+import mlc_spec.runtime.engine as engine_module
+from mlc_spec import LLM, SamplingParams
+from mlc_spec.runtime.sampling import probs_for
+
+V = 8  # a vocabulary small enough to check the joint law of three tokens (512 cells)
+PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repeats, so prompt lookup proposes too
+SAMPLES = 3000
+PARAMS = {
+    "temperature 1": dict(temperature=1.0),
+    "top-k/top-p": dict(temperature=0.8, top_k=5, top_p=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[TinyModel, TinyModel]:
+    target_hf = make_tiny_model(tiny_config("llama", vocab_size=V), seed=11)
+    target = TinyModel(tmp_path_factory.mktemp("v8_target"), "llama", hf=target_hf)
+    # Different enough that many drafts are rejected (the residual path matters).
+    draft = TinyModel(
+        tmp_path_factory.mktemp("v8_draft"), "llama", hf=perturbed_copy(target_hf, 0.15)
+    )
+    return target, draft
+
+
+@torch.no_grad()
+def exact_joint(hf: torch.nn.Module, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3 | PROMPT) under target-only sampling with ``params``, shape [V, V, V]."""
+
+    def next_probs(prefixes: list[list[int]]) -> np.ndarray:
+        logits = hf(torch.tensor(prefixes)).logits[:, -1].numpy()
+        return probs_for(logits, [params] * len(prefixes))
+
+    p1 = next_probs([PROMPT])[0]
+    p2 = next_probs([PROMPT + [a] for a in range(V)])
+    p3 = next_probs([PROMPT + [a, b] for a, b in itertools.product(range(V), repeat=2)])
+    return p1[:, None, None] * p2[:, :, None] * p3.reshape(V, V, V)
+
+
+def sample_counts(llm: LLM, params: dict) -> np.ndarray:
+    per_request = 60
+    requests = [
+        SamplingParams(max_tokens=3, ignore_eos=True, n=per_request, seed=seed, **params)
+        for seed in range(SAMPLES // per_request)
+    ]
+    counts = np.zeros((V, V, V), dtype=np.int64)
+    for out in llm.generate([PROMPT] * len(requests), requests):
+        for sample in out.outputs:
+            counts[tuple(sample.token_ids)] += 1
+    return counts
+
+
+def _llm(pair, method: str) -> LLM:
+    target, draft = pair
+    spec = {"method": method, "num_speculative_tokens": 2}
+    return LLM(
+        target.artifact,
+        draft_model=draft.artifact if method == "draft" else None,
+        speculative=spec,
+        max_batch_size=64,
+    )
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_speculative_sampling_matches_target_distribution(pair, method, name):
+    llm = _llm(pair, method)
+    counts = sample_counts(llm, PARAMS[name])
+    joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS[name]))
+    assert not chi2_rejects(counts.ravel(), joint.ravel())
+    stats = llm.metrics()
+    assert 0.05 < stats["acceptance_rate"] < 0.95, stats  # both accept and reject happened
+
+
+def test_target_only_sampling_matches_exact_distribution(pair):
+    counts = sample_counts(LLM(pair[0].artifact, max_batch_size=64), PARAMS["temperature 1"])
+    joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS["temperature 1"]))
+    assert not chi2_rejects(counts.ravel(), joint.ravel())
+
+
+def _always_accept(draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u):
+    """A broken rule: keeps every draft, then samples the bonus position from the target."""
+    from mlc_spec.runtime.sampling import sample_from_probs
+
+    last_rows = np.cumsum(num_draft + 1) - 1
+    bonus = sample_from_probs(target_probs[last_rows], sample_u)
+    starts = np.concatenate([[0], np.cumsum(num_draft)[:-1]])
+    tokens = [
+        np.append(draft_tokens[s : s + k], b)
+        for s, k, b in zip(starts, num_draft, bonus, strict=True)
+    ]
+    return num_draft.astype(np.int64), np.concatenate(tokens).astype(np.int64)
+
+
+def test_broken_acceptance_rule_is_detected(pair, monkeypatch):
+    monkeypatch.setattr(engine_module, "rejection_sample", _always_accept)
+    counts = sample_counts(_llm(pair, "draft"), PARAMS["temperature 1"])
+    joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS["temperature 1"]))
+    assert chi2_rejects(counts.ravel(), joint.ravel())
