@@ -24,6 +24,7 @@ from .errors import CompileError
 from .pipeline import relax_pipeline
 from .progress import Progress
 from .sources import ModelSource, load_source
+from .truncate import first_layers
 from .targets import DEFAULT_DTYPE, check_dtype, make_target
 
 
@@ -34,8 +35,10 @@ def compile_model(
     dtype: str | None = None,
     cuda_arch: str = "sm_90",
     show_progress: bool = True,
+    num_layers: int | None = None,
 ) -> Path:
-    """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``.
+    """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
+    ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -50,6 +53,8 @@ def compile_model(
 
     with progress.stage(f"reading {model}"):
         source = load_source(model)
+        if num_layers is not None:
+            source = first_layers(source, num_layers)
         try:
             cfg = ModelConfig.from_hf(source.config, dtype)
         except ConfigError as err:

