@@ -24,8 +24,8 @@ from .errors import CompileError
 from .pipeline import relax_pipeline
 from .progress import Progress
 from .sources import ModelSource, load_source
-from .truncate import first_layers
 from .targets import DEFAULT_DTYPE, check_dtype, make_target
+from .truncate import first_layers
 
 
 def compile_model(

@@ -78,10 +78,13 @@ class CPUMatmul(ScheduleRule):
 
     @staticmethod
     def _pad_m(sch: s_tir.Schedule, block, m_tile: int):
-        """Pad m to a multiple of ``m_tile``; fold the epilogue into the write-back block.
+        """Pad m (the symbolic one of the two leading axes, e.g. the batch in decode) to a
+        multiple of ``m_tile``; fold the epilogue into the write-back block.
         Returns (write-back block, loops of the matmul block)."""
         epilogue = sch.get_consumers(block)
-        sch.pad_einsum(block, [1, m_tile, 1, 1])
+        i0, i1 = (_const(sch.get(rv).extent) for rv in sch.get_loops(block)[:2])
+        pad_i0 = i1 is not None and i0 is None
+        sch.pad_einsum(block, [m_tile, 1, 1, 1] if pad_i0 else [1, m_tile, 1, 1])
         (write_back,) = sch.get_consumers(block)
         if epilogue:
             sch.reverse_compute_inline(epilogue[0])

@@ -137,23 +137,25 @@ class Engine:
     def _feed_end(seq: Sequence) -> int:
         return len(seq.tokens) - 1 if seq.output_ids else len(seq.tokens)
 
-    def _prefill_reserve(self) -> int:
-        """Pages still owed to admitted requests whose prompt is not fully in the cache."""
-        page = self.kv.page_size
-        return sum(
-            pages(self._feed_end(s), page) - pages(s.kv_len, page) + 2
-            for r in self.scheduler.running
-            for s in r.unfinished
-            if s.in_cache and s.kv_len < self._feed_end(s)
-        )
-
-    def _prefill_chunk(self, touched: dict[str, Request]) -> None:
-        seqs = [
+    def _prefilling(self) -> list[Sequence]:
+        """Admitted sequences whose prompt (or, after preemption, history) is not yet fully in
+        the cache."""
+        return [
             s
             for r in self.scheduler.running
             for s in r.unfinished
             if s.in_cache and s.kv_len < self._feed_end(s)
         ]
+
+    def _prefill_reserve(self) -> int:
+        """Pages still owed to admitted requests whose prefill is not finished."""
+        page = self.kv.page_size
+        return sum(
+            pages(self._feed_end(s), page) - pages(s.kv_len, page) + 2 for s in self._prefilling()
+        )
+
+    def _prefill_chunk(self, touched: dict[str, Request]) -> None:
+        seqs = self._prefilling()
         if not seqs:
             return
         feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]

@@ -12,6 +12,7 @@ import argparse
 import time
 
 import numpy as np
+
 from mlc_spec.runtime.ngram_index import NgramIndex, propose_numpy
 
 

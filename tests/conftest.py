@@ -6,17 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
-
-from tiny_models import (  # noqa: E402
+from tiny_models import (
     make_tiny_model,
     perturbed_copy,
     save_tiny_checkpoint,
     tiny_config,
 )
 
-from mlc_spec.compiler.compile import compile_model  # noqa: E402
+from mlc_spec.compiler.compile import compile_model
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# TVM's CPU thread pool reads this once, at first use, and otherwise ran one thread here:
+# default to every core this process may use (a user's own setting wins).
+os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "__version__"]
