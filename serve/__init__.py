@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP face of the runtime engine (no model logic here)."""

