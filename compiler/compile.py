@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import safetensors.numpy
@@ -19,12 +20,13 @@ from mlc_spec.runtime.artifact import (
     WEIGHTS_FILE,
 )
 
+from . import flashinfer
 from .convert import convert_parameters
 from .errors import CompileError
 from .pipeline import relax_pipeline
 from .progress import Progress
 from .sources import ModelSource, load_source
-from .targets import DEFAULT_DTYPE, check_dtype, make_target
+from .targets import ATTENTION, DEFAULT_DTYPE, check_attention, check_dtype, make_target
 from .truncate import first_layers
 
 
@@ -36,9 +38,11 @@ def compile_model(
     cuda_arch: str = "sm_90",
     show_progress: bool = True,
     num_layers: int | None = None,
+    attention: str | None = None,
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
-    ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation).
+    ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
+    ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -49,6 +53,8 @@ def compile_model(
     tvm_target = make_target(target, cuda_arch)
     dtype = dtype or DEFAULT_DTYPE[target]
     check_dtype(target, dtype)
+    attention = attention or ATTENTION[target][0]
+    check_attention(target, attention)
     progress = Progress(show_progress)
 
     with progress.stage(f"reading {model}"):
@@ -59,13 +65,17 @@ def compile_model(
             cfg = ModelConfig.from_hf(source.config, dtype)
         except ConfigError as err:
             raise CompileError(f"{model}: {err}") from None
+    if attention == "flashinfer":
+        flashinfer.check_supported(cfg, cuda_arch)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        _write_artifact(staging, Path(model), source, cfg, target, tvm_target, progress)
+        _write_artifact(
+            staging, Path(model), source, cfg, target, tvm_target, cuda_arch, attention, progress
+        )
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -81,11 +91,21 @@ def _write_artifact(
     cfg: ModelConfig,
     target: str,
     tvm_target: tvm.target.Target,
+    cuda_arch: str,
+    attention: str,
     progress: Progress,
 ) -> None:
-    module = MODEL_CLASSES[cfg.family](cfg, tvm_target)
+    module = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
     module.to(cfg.dtype)
-    ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
+    with ExitStack() as kernels:
+        if attention == "flashinfer":
+            kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
+            kernels.enter_context(flashinfer.jit_build(cuda_arch))
+        ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
+    link_options = None
+    if module.extern_mods:
+        ir_module = ir_module.with_attr("external_mods", module.extern_mods)
+        link_options = flashinfer.link_options()
     expected = [(name, tuple(int(d) for d in p.shape)) for name, p in named_params]
 
     with progress.stage("converting weights"):
@@ -102,7 +122,7 @@ def _write_artifact(
             executable = tvm.compile(
                 ir_module, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target, cfg.dtype)
             )
-            executable.export_library(str(staging / LIBRARY_FILE))
+            executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
         except Exception as err:  # noqa: BLE001 - TVM raises many types
             last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             raise CompileError(f"TVM failed to compile for {target}: {last}") from None
@@ -114,6 +134,7 @@ def _write_artifact(
             "model": cfg.to_dict(),
             "target": target,
             "target_spec": str(tvm_target),
+            "attention": attention,
             "tvm_version": tvm.__version__,
             "functions": list(FUNCTIONS),
             "params": [

@@ -60,28 +60,31 @@ class CPUMatmul(ScheduleRule):
             return None
         m = i0 * i1
         m_ext = _const(m)
-        use_gemm = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
-        if not use_gemm or (m_ext is not None and m_ext < self.gemm_min_m):
-            return self._gemv(func, m_ext, n_ext, k_ext)
-        gemm = self._gemm(func)
+        gemm_ok = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
         if m_ext is not None:
-            return gemm
-        # Symbolic m: run-time branch between the two separately scheduled bodies.
-        gemv = self._gemv(func, m_ext, n_ext, k_ext)
-        branch = tirx.IfThenElse(
-            m >= self.gemm_min_m, gemm.mod["main"].body, gemv.mod["main"].body
-        )
-        root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", branch))
-        # Both bodies come from ``func`` and share its loop and block variables: rename them.
+            if gemm_ok and m_ext >= self.gemm_min_m:
+                return self._gemm(func)
+            return self._gemv(func, min(m_ext, 2), n_ext, k_ext)
+        # Symbolic m: branch at run time between separately scheduled bodies. m = 1 (decode of
+        # one sequence) gets its own GEMV without m tiling, which would only add padding work.
+        body = self._gemv(func, 2, n_ext, k_ext).mod["main"].body
+        if gemm_ok:
+            gemm = self._gemm(func).mod["main"].body
+            body = tirx.IfThenElse(m >= self.gemm_min_m, gemm, body)
+        body = tirx.IfThenElse(m == 1, self._gemv(func, 1, n_ext, k_ext).mod["main"].body, body)
+        root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+        # The bodies come from the same ``func`` and share its loop and block variables.
         merged = s_tir.transform.ConvertSSA()(IRModule({"main": func.with_body(root)}))
         return s_tir.Schedule(merged)
 
     @staticmethod
     def _pad_m(sch: s_tir.Schedule, block, m_tile: int):
         """Pad m (the symbolic one of the two leading axes, e.g. the batch in decode) to a
-        multiple of ``m_tile``; fold the epilogue into the write-back block.
+        multiple of ``m_tile``, with the epilogue folded into the write-back block.
         Returns (write-back block, loops of the matmul block)."""
         epilogue = sch.get_consumers(block)
+        if m_tile == 1:  # nothing to pad; stage the result if there is no epilogue to do it
+            return (epilogue or [sch.cache_write(block, 0, "local")])[0], sch.get_loops(block)
         i0, i1 = (_const(sch.get(rv).extent) for rv in sch.get_loops(block)[:2])
         pad_i0 = i1 is not None and i0 is None
         sch.pad_einsum(block, [m_tile, 1, 1, 1] if pad_i0 else [1, m_tile, 1, 1])
@@ -90,12 +93,11 @@ class CPUMatmul(ScheduleRule):
             sch.reverse_compute_inline(epilogue[0])
         return write_back, sch.get_loops(block)
 
-    def _gemv(self, func, m_ext: int | None, n_ext: int, k_ext: int) -> s_tir.Schedule:
+    def _gemv(self, func, m_tile: int, n_ext: int, k_ext: int) -> s_tir.Schedule:
         sch = s_tir.Schedule(func)
         block = sch.get_sblock("NT_matmul")
         lanes = _largest_divisor(k_ext, (self.lanes, 8, 4))
         n_tile = _largest_divisor(n_ext, (8, 2))
-        m_tile = 2 if m_ext is None or m_ext >= 2 else 1
         write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
         mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
         no, ni = sch.split(i2, [None, n_tile])

@@ -9,6 +9,7 @@ from tvm.target import Target
 
 from .cpu_matmul import CPUMatmul
 from .gpu_tensorize import SkipTensorize
+from .noalias import MarkShapeFuncNoAlias
 
 
 def _schedule_rules(target: Target) -> list:
@@ -49,6 +50,7 @@ def relax_pipeline(target: Target, dtype: str) -> tvm.transform.Pass:
         rx.transform.LowerRuntimeBuiltin(),
         rx.transform.ComputePrimValue(),
         rx.transform.VMShapeLower(),
+        MarkShapeFuncNoAlias(),
         rx.transform.AttachGlobalSymbol(),
     ]
 

@@ -9,6 +9,8 @@ from .errors import CompileError
 TARGETS = ("llvm", "cuda")
 DEFAULT_DTYPE = {"llvm": "float32", "cuda": "float16"}
 ALLOWED_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "bfloat16", "float32")}
+# Attention kernels of the paged KV cache; the first is the default. "tir" is TVM's own.
+ATTENTION = {"llvm": ("tir",), "cuda": ("flashinfer", "tir")}
 
 
 def make_target(name: str, cuda_arch: str = "sm_90") -> Target:
@@ -27,4 +29,12 @@ def check_dtype(target_name: str, dtype: str) -> None:
         raise CompileError(
             f"dtype {dtype!r} is not supported on {target_name}; "
             f"choose one of {', '.join(ALLOWED_DTYPES[target_name])}"
+        )
+
+
+def check_attention(target_name: str, attention: str) -> None:
+    if attention not in ATTENTION[target_name]:
+        raise CompileError(
+            f"attention {attention!r} is not supported on {target_name}; "
+            f"choose {' or '.join(ATTENTION[target_name])}"
         )

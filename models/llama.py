@@ -8,10 +8,15 @@ into one matmul each (``HF_FUSED``) so a decode step reads each layer's input on
 from __future__ import annotations
 
 from tvm import relax as rx
-from tvm import tirx
+from tvm import runtime, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.relax.frontend.nn.llm.kv_cache import (
+    FlashInferPagedKVCache,
+    PagedKVCache,
+    RopeMode,
+    TIRPagedKVCache,
+)
 from tvm.target import Target
 
 from .config import ModelConfig
@@ -40,6 +45,10 @@ def hf_sources(name: str) -> tuple[str, ...]:
             prefix = name[: -len(ours)]
             return tuple(prefix + t for t in theirs)
     return (name,)
+
+
+# Attention kernels of the paged KV cache: TVM's own TIR kernels, or FlashInfer's (CUDA only).
+KV_CACHES = {"tir": TIRPagedKVCache, "flashinfer": FlashInferPagedKVCache}
 
 
 class Attention(nn.Module):
@@ -101,11 +110,15 @@ class LlamaForCausalLM(nn.Module):
 
     All three forward functions run on the sequences and lengths given to the KV cache's
     ``begin_forward`` beforehand; the token ids of all sequences are concatenated (ragged).
+    ``attention`` picks the KV cache's kernels (``KV_CACHES``); after export, ``extern_mods``
+    holds the prebuilt kernel libraries that the compiled module must link (FlashInfer's).
     """
 
-    def __init__(self, cfg: ModelConfig, target: Target):
+    def __init__(self, cfg: ModelConfig, target: Target, attention: str = "tir"):
         self.cfg = cfg
         self.target = target
+        self.attention = attention
+        self.extern_mods: list[runtime.Module] = []
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -141,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         c = self.cfg
-        return TIRPagedKVCache(
+        cache = KV_CACHES[self.attention](
             attn_kind="mha",
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
@@ -166,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
             dtype=c.dtype,
             target=self.target,
         )
+        self.extern_mods = getattr(cache, "extern_mods", [])
+        return cache
 
     def get_default_spec(self) -> dict:
         kv = nn.spec.Object(object_type=PagedKVCache)
@@ -195,4 +210,4 @@ class LlamaForCausalLM(nn.Module):
         }
 
 
-__all__ = ["LlamaForCausalLM", "hf_sources"]
+__all__ = ["KV_CACHES", "LlamaForCausalLM", "hf_sources"]

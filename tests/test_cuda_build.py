@@ -1,26 +1,111 @@
-"""``--target cuda`` cross-compiles on a machine without a GPU (CI has none)."""
+"""``--target cuda`` cross-compiles on a machine without a GPU (CI has none), with TVM's TIR
+attention or FlashInfer's. FlashInfer's kernels are built with nvcc on first use and cached on
+disk (``$MLC_SPEC_CACHE/flashinfer``), so only the first run on a machine pays for them."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import tvm
+from tiny_models import make_tiny_model, save_tiny_checkpoint, tiny_config
 
+from mlc_spec.cli import main
 from mlc_spec.compiler.compile import compile_model
+from mlc_spec.compiler.errors import CompileError
 from mlc_spec.runtime.artifact import CONFIG_FILE, LIBRARY_FILE, ArtifactError
 from mlc_spec.runtime.model import Model
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tiny_model_cross_compiles_for_cuda(tiny_llama, tmp_path, dtype):
-    out = compile_model(
-        tiny_llama.checkpoint, "cuda", tmp_path / "cuda", dtype=dtype, show_progress=False
-    )
+def _check_artifact(out: Path, dtype: str, attention: str) -> None:
     config = json.loads((out / CONFIG_FILE).read_text())
     assert config["target"] == "cuda" and config["model"]["dtype"] == dtype
+    assert config["attention"] == attention
     assert '"arch":"sm_90"' in config["target_spec"].replace(" ", "")
     assert (out / LIBRARY_FILE).read_bytes().count(b"__global__") > 10  # the CUDA kernels
+
+
+def _dynamic_symbols(library: Path, *flags: str) -> str:
+    return subprocess.run(
+        ["nm", "-D", "-C", *flags, str(library)], capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tiny_model_cross_compiles_with_tir_attention(tiny_llama, tmp_path, dtype):
+    out = compile_model(
+        tiny_llama.checkpoint,
+        "cuda",
+        tmp_path / "cuda",
+        dtype=dtype,
+        show_progress=False,
+        attention="tir",
+    )
+    _check_artifact(out, dtype, "tir")
     if not tvm.cuda(0).exist:
         with pytest.raises(ArtifactError, match="no CUDA GPU"):
             Model(out)
+
+
+def test_flashinfer_attention_is_rejected_for_llvm(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["compile", str(tiny_llama.checkpoint), "--target", "llvm", "--attention", "flashinfer"]
+    assert main([*args, "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mlc-spec compile: error: attention 'flashinfer' is not supported on llvm; "
+                   "choose tir"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_flashinfer_rejects_head_dim_it_has_no_kernels_for(tiny_llama, tmp_path):
+    """The tiny Llama's head dim is 16; FlashInfer has kernels for 64, 128 and 256."""
+    with pytest.raises(CompileError, match="head dims 64, 128, 256; this model has 16"):
+        compile_model(tiny_llama.checkpoint, "cuda", tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _kernel_objects() -> dict[Path, int]:
+    """FlashInfer's float16, head-dim-64 objects (SmolLM2's shapes) and their mtimes."""
+    from flashinfer.jit import env
+
+    pattern = "batch_*_tvm_dtype_q_float16_*_qk_head_dim_64_*/*.o"
+    return {p: p.stat().st_mtime_ns for p in env.FLASHINFER_JIT_DIR.glob(pattern)}
+
+
+@pytest.fixture(scope="module")
+def tiny_flashinfer(tmp_path_factory) -> Path:
+    """The tiny Llama with head dim 64 compiled for cuda float16 with the default attention,
+    FlashInfer; it builds (once per machine) the kernels SmolLM2-135M uses too."""
+    pytest.importorskip("flashinfer", reason="needs the cuda extra: pip install 'mlc-spec[cuda]'")
+    root = tmp_path_factory.mktemp("tiny_head_dim_64")
+    hf = save_tiny_checkpoint(make_tiny_model(tiny_config("llama", head_dim=64)), root / "hf")
+    return compile_model(hf, "cuda", root / "artifact", show_progress=False)
+
+
+@pytest.mark.slow
+def test_tiny_model_cross_compiles_with_flashinfer_attention(tiny_flashinfer):
+    _check_artifact(tiny_flashinfer, "float16", "flashinfer")
+    library = tiny_flashinfer / LIBRARY_FILE
+    exports = _dynamic_symbols(library, "--defined-only")
+    for name in ("batch_prefill_paged_run", "batch_prefill_ragged_run", "batch_decode_run"):
+        assert f"__tvm_ffi_{name}" in exports
+    undefined = _dynamic_symbols(library, "--undefined-only")
+    assert "flashinfer" not in undefined  # would fail to resolve when model.so is loaded
+
+
+@pytest.mark.slow
+def test_smollm2_cross_compiles_with_tir_attention(smollm2_gguf, tmp_path):
+    out = compile_model(smollm2_gguf, "cuda", tmp_path / "cuda", show_progress=False, attention="tir")
+    _check_artifact(out, "float16", "tir")
+
+
+@pytest.mark.slow
+def test_smollm2_reuses_the_cached_flashinfer_kernels(tiny_flashinfer, smollm2_gguf, tmp_path):
+    """Same head dim and dtype as the tiny model: nothing is rebuilt."""
+    before = _kernel_objects()
+    assert len(before) > 10
+    out = compile_model(smollm2_gguf, "cuda", tmp_path / "cuda", show_progress=False)
+    _check_artifact(out, "float16", "flashinfer")
+    assert _kernel_objects() == before

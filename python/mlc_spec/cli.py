@@ -23,6 +23,7 @@ def _compile(args: argparse.Namespace) -> None:
         args.dtype,
         args.cuda_arch,
         num_layers=args.num_layers,
+        attention=args.attention,
     )
 
 
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="llvm (CPU) or cuda")
     p.add_argument("--dtype", default=None, help="float32 (llvm), float16/bfloat16 (cuda)")
     p.add_argument("--cuda-arch", default="sm_90", help="GPU architecture for --target cuda")
+    p.add_argument(
+        "--attention",
+        choices=["flashinfer", "tir"],
+        default=None,
+        help="KV-cache attention kernels: flashinfer (default for cuda) or TVM's tir (llvm)",
+    )
     p.add_argument("-o", "--output", required=True, help="artifact directory (must not exist)")
     p.add_argument(
         "--num-layers",

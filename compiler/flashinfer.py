@@ -1,0 +1,223 @@
+"""FlashInfer attention kernels for ``--target cuda``, built on the compiling machine.
+
+TVM's ``FlashInferPagedKVCache`` has ``tvm.relax.backend.cuda.flashinfer`` generate FlashInfer's
+batch prefill/decode kernels for the model's head dim and dtype from the sources in
+flashinfer-python and compile them with nvcc + ninja (no GPU needed); the objects are linked
+into ``model.so``. :func:`jit_build` makes that work with flashinfer-python 0.7.2.post1 and
+keeps the objects in a cache, so compiling the same shapes again rebuilds nothing. Within it,
+FlashInfer's build specs are replaced by :class:`_CachedBuild`, which
+
+- builds only the objects: FlashInfer's ninja file also links a ``.so`` of its own against
+  ``libcuda`` (the GPU driver), which a build machine need not have, and TVM does not use it;
+- returns the objects under the names ninja gives them, ``<source dir>_<stem>.cuda.o``
+  (``JitSpec.get_object_paths`` in 0.7.2 leaves out the prefix);
+- compiles TVM's renamed binding source from a copy written only when its content changes:
+  TVM renames the exported functions by rewriting the binding source that FlashInfer
+  regenerates on every call, so ninja saw it as new and recompiled it on every compile;
+- instantiates the prefill kernels for every CTA_TILE_Q that ``batch_prefill.cu`` dispatches
+  on: the generated sources leave out CTA_TILE_Q=32 for head dims below 512 (FlashInfer's
+  planner never picks it there), which left 12 undefined symbols in ``model.so``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from mlc_spec.models import ModelConfig
+
+from .errors import CompileError
+from .pypi_models import default_cache_dir
+
+VERSION = "0.7.2.post1"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float16", "bfloat16")
+MIN_SM = 80  # FlashInfer's FA2 kernels use Ampere tensor-core instructions
+
+# TVM's generators call these through ``flashinfer.jit`` at call time.
+_GENERATORS = ("gen_customize_batch_prefill_module", "gen_customize_batch_decode_module")
+# The CTA_TILE_Q cases of DISPATCH_CTA_TILE_Q (include/flashinfer/utils.cuh).
+_DISPATCHED_CTA_TILES = (16, 32, 64, 128)
+_INSTANCE = re.compile(r"template cudaError_t [^;]*?/\*CTA_TILE_Q=\*/(\d+)[^;]*;")
+_SM = re.compile(r"sm_(\d+)(\d)([a-z]?)")
+_FIX = "use --attention tir"
+
+
+def check_supported(cfg: ModelConfig, cuda_arch: str) -> None:
+    """Reject, before anything is built, what FlashInfer's kernels cannot run."""
+    if cfg.dtype not in DTYPES:
+        raise CompileError(
+            f"FlashInfer attention needs {' or '.join(DTYPES)}, not {cfg.dtype}; {_FIX}"
+        )
+    if cfg.head_dim not in HEAD_DIMS:
+        raise CompileError(
+            f"FlashInfer attention supports head dims {', '.join(map(str, HEAD_DIMS))}; "
+            f"this model has {cfg.head_dim}; {_FIX}"
+        )
+    major, minor, _ = _parse_sm(cuda_arch)
+    if major * 10 + minor < MIN_SM:
+        raise CompileError(
+            f"FlashInfer attention needs sm_{MIN_SM} or newer, not {cuda_arch}; {_FIX}"
+        )
+
+
+@contextlib.contextmanager
+def jit_build(cuda_arch: str) -> Iterator[None]:
+    """Within this context, FlashInfer kernels that TVM generates are built for ``cuda_arch``
+    into the cache (``$FLASHINFER_WORKSPACE_BASE``, by default under mlc-spec's cache)."""
+    jit = _import_jit(cuda_arch)
+    originals = {name: getattr(jit, name) for name in _GENERATORS}
+    for name, generate in originals.items():
+        setattr(jit, name, _cached(generate))
+    try:
+        yield
+    finally:
+        for name, generate in originals.items():
+            setattr(jit, name, generate)
+
+
+def link_options() -> list[str]:
+    """``export_library`` options for a library holding FlashInfer's objects: they call the CUDA
+    runtime, the same ``libcudart`` that TVM's CUDA runtime loads."""
+    return [f"-L{_cuda_home() / 'lib64'}", "-lcudart"]
+
+
+def _import_jit(cuda_arch: str) -> Any:
+    """Import ``flashinfer.jit`` set up for this build. FlashInfer reads its cache directory and
+    target architectures from the environment once, at import, and its CUDA toolkit from
+    ``CUDA_HOME``."""
+    if shutil.which("ninja") is None:
+        raise CompileError(f"FlashInfer kernels are built with ninja, not found; or {_FIX}")
+    os.environ["CUDA_HOME"] = str(_cuda_home())
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(default_cache_dir() / "flashinfer"))
+    major, minor, suffix = _parse_sm(cuda_arch)
+    os.environ["FLASHINFER_CUDA_ARCH_LIST"] = f"{major}.{minor}{suffix}"
+    try:
+        import flashinfer
+        import flashinfer.jit
+        from flashinfer.jit import env as jit_env
+    except ImportError as err:
+        raise CompileError(
+            f"FlashInfer attention needs flashinfer-python=={VERSION} "
+            f"(pip install 'mlc-spec[cuda]'): {err}; or {_FIX}"
+        ) from None
+    if flashinfer.__version__ != VERSION:
+        raise CompileError(
+            f"FlashInfer attention is built with flashinfer-python=={VERSION}, "
+            f"found {flashinfer.__version__}; or {_FIX}"
+        )
+    if jit_env._get_workspace_dir_name() != jit_env.FLASHINFER_WORKSPACE_DIR:
+        raise CompileError(
+            "FlashInfer kernels were already built for another CUDA architecture in this "
+            "process; compile for one architecture per process"
+        )
+    return flashinfer.jit
+
+
+def _cuda_home() -> Path:
+    """``$CUDA_HOME``, else /usr/local/cuda, else the toolkit of the ``nvcc`` on PATH (checked
+    last: it may be a wrapper script outside the toolkit)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is None:
+        nvcc = shutil.which("nvcc")
+        on_path = Path(nvcc).resolve().parents[1] if nvcc else None
+        home = "/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").is_file() else on_path
+    if home is None or not (Path(home) / "bin" / "nvcc").is_file():
+        raise CompileError(
+            f"FlashInfer kernels are built with nvcc; no CUDA toolkit found (set CUDA_HOME); "
+            f"or {_FIX}"
+        )
+    return Path(home)
+
+
+def _parse_sm(cuda_arch: str) -> tuple[int, int, str]:
+    """``sm_90a`` -> (9, 0, "a")."""
+    match = _SM.fullmatch(cuda_arch)
+    if match is None:
+        raise CompileError(f"cannot read CUDA architecture {cuda_arch!r}; expected e.g. sm_90")
+    return int(match[1]), int(match[2]), match[3]
+
+
+def _cached(generate: Callable[..., Any]) -> Callable[..., _CachedBuild]:
+    @functools.wraps(generate)
+    def wrapper(*args: Any, **kwargs: Any) -> _CachedBuild:
+        return _CachedBuild(generate(*args, **kwargs))
+
+    return wrapper
+
+
+class _CachedBuild:
+    """Stands in for FlashInfer's ``JitSpecNvcc`` in TVM's generators, which read ``sources``
+    (renaming the exports in the files they list), then call ``build`` and
+    ``get_object_paths``."""
+
+    def __init__(self, spec: Any):
+        self._spec = spec
+        self.sources: list[Path] = spec.sources
+
+    def build(self, verbose: bool = False) -> None:
+        from filelock import FileLock
+
+        sources = self._spec.sources
+        sources[:] = [_binding_copy(s) if s.name.endswith("_binding.cu") else s for s in sources]
+        sources += [path for path in map(_missing_cta_tiles, list(sources)) if path is not None]
+        objects = self.get_object_paths()
+        with FileLock(self._spec.lock_path):
+            self._spec.write_ninja()
+            build_dir = self._spec.build_dir
+            result = subprocess.run(
+                ["ninja", "-C", str(build_dir), "-f", str(self._spec.ninja_path)]
+                + [str(o) for o in objects],
+                capture_output=True,
+                text=True,
+            )
+        if result.returncode != 0:
+            log = build_dir / "build.log"
+            log.write_text(result.stdout + result.stderr)
+            raise CompileError(f"building FlashInfer kernels failed; see {log}")
+
+    def get_object_paths(self) -> list[Path]:
+        return [
+            self._spec.build_dir
+            / f"{s.parent.name}_{s.stem}{'.cuda.o' if s.suffix == '.cu' else '.o'}"
+            for s in self._spec.sources
+        ]
+
+
+def _write_if_changed(path: Path, text: str) -> Path:
+    """Keep the file's mtime, and so ninja's verdict, when its content is the same."""
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def _binding_copy(source: Path) -> Path:
+    # The name must not end in "_binding.cu", or TVM would rename its exports a second time.
+    return _write_if_changed(source.with_name(f"{source.stem}_tvm.cu"), source.read_text())
+
+
+def _missing_cta_tiles(source: Path) -> Path | None:
+    """A source instantiating the CTA_TILE_Q variants of ``source``'s kernels that it leaves
+    out but the dispatch references, or None."""
+    text = source.read_text()
+    instances = list(_INSTANCE.finditer(text))
+    present = {int(m[1]) for m in instances}
+    missing = [tile for tile in _DISPATCHED_CTA_TILES if tile not in present]
+    if not instances or not missing:
+        return None
+    model = min(present)
+    body = [
+        m[0].replace(f"/*CTA_TILE_Q=*/{model}", f"/*CTA_TILE_Q=*/{tile}")
+        for tile in missing
+        for m in instances
+        if int(m[1]) == model
+    ]
+    extra = text[: instances[0].start()] + "\n\n".join(body) + "\n\n}  // namespace flashinfer\n"
+    return _write_if_changed(source.with_name(f"{source.stem}_more_tiles.cu"), extra)
