@@ -14,9 +14,10 @@ FlashInfer's build specs are replaced by :class:`_CachedBuild`, which
 - compiles TVM's renamed binding source from a copy written only when its content changes:
   TVM renames the exported functions by rewriting the binding source that FlashInfer
   regenerates on every call, so ninja saw it as new and recompiled it on every compile;
-- instantiates the prefill kernels for every CTA_TILE_Q that ``batch_prefill.cu`` dispatches
-  on: the generated sources leave out CTA_TILE_Q=32 for head dims below 512 (FlashInfer's
-  planner never picks it there), which left 12 undefined symbols in ``model.so``.
+- completes the prefill kernel sources (in such copies too) with the CTA_TILE_Q variants that
+  ``batch_prefill.cu`` dispatches to but the generated sources leave out: CTA_TILE_Q=32 for
+  head dims below 512, which FlashInfer's planner never picks there, but whose 12 undefined
+  symbols would be left in ``model.so``.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def jit_build(cuda_arch: str) -> Iterator[None]:
 
 def link_options() -> list[str]:
     """``export_library`` options for a library holding FlashInfer's objects: they call the CUDA
-    runtime, the same ``libcudart`` that TVM's CUDA runtime loads."""
-    return [f"-L{_cuda_home() / 'lib64'}", "-lcudart"]
+    runtime, the ``libcudart`` that TVM's CUDA runtime loads too. TVM puts options before the
+    objects, where a linker defaulting to ``--as-needed`` would drop the library."""
+    return [f"-L{_cuda_home() / 'lib64'}", "-Wl,--no-as-needed", "-lcudart"]
 
 
 def _import_jit(cuda_arch: str) -> Any:
@@ -94,7 +96,10 @@ def _import_jit(cuda_arch: str) -> Any:
     target architectures from the environment once, at import, and its CUDA toolkit from
     ``CUDA_HOME``."""
     if shutil.which("ninja") is None:
-        raise CompileError(f"FlashInfer kernels are built with ninja, not found; or {_FIX}")
+        raise CompileError(
+            f"FlashInfer kernels are built with ninja, which is not on PATH "
+            f"(pip install ninja); or {_FIX}"
+        )
     os.environ["CUDA_HOME"] = str(_cuda_home())
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(default_cache_dir() / "flashinfer"))
     major, minor, suffix = _parse_sm(cuda_arch)
@@ -115,8 +120,8 @@ def _import_jit(cuda_arch: str) -> Any:
         )
     if jit_env._get_workspace_dir_name() != jit_env.FLASHINFER_WORKSPACE_DIR:
         raise CompileError(
-            "FlashInfer kernels were already built for another CUDA architecture in this "
-            "process; compile for one architecture per process"
+            "flashinfer was imported in this process before mlc-spec set its CUDA "
+            "architecture (FLASHINFER_CUDA_ARCH_LIST); compile in a new process"
         )
     return flashinfer.jit
 
@@ -131,7 +136,7 @@ def _cuda_home() -> Path:
         home = "/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").is_file() else on_path
     if home is None or not (Path(home) / "bin" / "nvcc").is_file():
         raise CompileError(
-            f"FlashInfer kernels are built with nvcc; no CUDA toolkit found (set CUDA_HOME); "
+            f"FlashInfer kernels are built with nvcc; found no CUDA toolkit (set CUDA_HOME); "
             f"or {_FIX}"
         )
     return Path(home)
@@ -165,13 +170,11 @@ class _CachedBuild:
     def build(self, verbose: bool = False) -> None:
         from filelock import FileLock
 
-        sources = self._spec.sources
-        sources[:] = [_binding_copy(s) if s.name.endswith("_binding.cu") else s for s in sources]
-        sources += [path for path in map(_missing_cta_tiles, list(sources)) if path is not None]
+        self.sources[:] = [_source_to_compile(s) for s in self.sources]
         objects = self.get_object_paths()
+        build_dir = self._spec.build_dir
         with FileLock(self._spec.lock_path):
             self._spec.write_ninja()
-            build_dir = self._spec.build_dir
             result = subprocess.run(
                 ["ninja", "-C", str(build_dir), "-f", str(self._spec.ninja_path)]
                 + [str(o) for o in objects],
@@ -187,37 +190,39 @@ class _CachedBuild:
         return [
             self._spec.build_dir
             / f"{s.parent.name}_{s.stem}{'.cuda.o' if s.suffix == '.cu' else '.o'}"
-            for s in self._spec.sources
+            for s in self.sources
         ]
 
 
-def _write_if_changed(path: Path, text: str) -> Path:
-    """Keep the file's mtime, and so ninja's verdict, when its content is the same."""
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
-    return path
-
-
-def _binding_copy(source: Path) -> Path:
-    # The name must not end in "_binding.cu", or TVM would rename its exports a second time.
-    return _write_if_changed(source.with_name(f"{source.stem}_tvm.cu"), source.read_text())
-
-
-def _missing_cta_tiles(source: Path) -> Path | None:
-    """A source instantiating the CTA_TILE_Q variants of ``source``'s kernels that it leaves
-    out but the dispatch references, or None."""
+def _source_to_compile(source: Path) -> Path:
+    """``source``, or the copy of it to compile instead: TVM's renamed binding source, and
+    kernel sources completed with the CTA_TILE_Q variants they leave out. A copy is written only
+    when its content changes, so that ninja does not rebuild it; its name does not end in
+    ``_binding.cu``, or TVM would rename its exports again."""
     text = source.read_text()
+    completed = _with_all_cta_tiles(text)
+    if completed == text and not source.name.endswith("_binding.cu"):
+        return source
+    copy = source.with_name(f"{source.stem}_tvm{source.suffix}")
+    if not copy.is_file() or copy.read_text() != completed:
+        copy.write_text(completed)
+    return copy
+
+
+def _with_all_cta_tiles(text: str) -> str:
+    """``text`` with an instance of its kernels for each CTA_TILE_Q that the dispatch references
+    and ``text`` leaves out, modelled on its instances for the smallest tile."""
     instances = list(_INSTANCE.finditer(text))
     present = {int(m[1]) for m in instances}
     missing = [tile for tile in _DISPATCHED_CTA_TILES if tile not in present]
     if not instances or not missing:
-        return None
-    model = min(present)
-    body = [
-        m[0].replace(f"/*CTA_TILE_Q=*/{model}", f"/*CTA_TILE_Q=*/{tile}")
+        return text
+    base = min(present)
+    added = [
+        m[0].replace(f"/*CTA_TILE_Q=*/{base}", f"/*CTA_TILE_Q=*/{tile}")
         for tile in missing
         for m in instances
-        if int(m[1]) == model
+        if int(m[1]) == base
     ]
-    extra = text[: instances[0].start()] + "\n\n".join(body) + "\n\n}  // namespace flashinfer\n"
-    return _write_if_changed(source.with_name(f"{source.stem}_more_tiles.cu"), extra)
+    end = instances[-1].end()
+    return text[:end] + "\n\n" + "\n\n".join(added) + text[end:]

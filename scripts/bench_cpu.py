@@ -35,6 +35,8 @@ MODEL = "smollm2-135m-instruct"
 PROMPT_LEN = 128
 DECODE_STEPS = 32  # decode runs over contexts 128..160
 MULTI_QUERY_KS = (4, 8)
+# 1-minute load average per CPU, measured before the run, above which the figures are flagged.
+BUSY_LOAD_PER_CPU = 0.25
 START, END = "<!-- bench_cpu:start -->", "<!-- bench_cpu:end -->"
 DOC_HEADER = """# Benchmarks
 
@@ -232,7 +234,7 @@ def machine_context(repeats: int, attention: str, load: float) -> list[str]:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
     date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
-    return [
+    lines = [
         f"- Date: {date.strip()}",
         f"- Machine: `{cpu}` (lscpu model name), {os.cpu_count()} CPUs, no GPU; 1-minute load "
         f"average {load:.2f} when the run started",
@@ -242,6 +244,12 @@ def machine_context(repeats: int, attention: str, load: float) -> list[str]:
         f"torch.set_num_threads({torch.get_num_threads()}); {repeats} rounds",
         f"- Command: `{shlex.join(['python', *sys.argv])}`",
     ]
+    if load > BUSY_LOAD_PER_CPU * (os.cpu_count() or 1):
+        lines.append(
+            "- **Busy machine: other processes competed for the cores, which distorts the "
+            "figures and the ratios; re-run on a quiet machine.**"
+        )
+    return lines
 
 
 def main() -> None:
@@ -249,8 +257,8 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1),
-        help="TVM and torch threads (default: $TVM_NUM_THREADS, else all cores)",
+        default=int(os.environ.get("TVM_NUM_THREADS") or len(os.sched_getaffinity(0))),
+        help="TVM and torch threads (default: $TVM_NUM_THREADS, else the usable cores)",
     )
     parser.add_argument(
         "--repeats", type=int, default=10, help="figures are medians over this many rounds"

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
-THREADS = os.cpu_count() or 1
+THREADS = len(os.sched_getaffinity(0))  # the usable cores, as mlc_spec itself defaults to
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
 os.environ["TVM_NUM_THREADS"] = str(THREADS)
 
@@ -49,6 +49,8 @@ from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 
 T = TypeVar("T")
 SECTION = "bench_speculative"
+# 1-minute load average per CPU, measured before the run, above which the figures are flagged.
+BUSY_LOAD_PER_CPU = 0.25
 WARMUP_TOKENS = 8
 # name: (table label, our `speculative` argument)
 OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -123,6 +125,7 @@ def timed(
 def run_ours(
     name: str, target: Path, draft: Path, prompts: list[list[int]], max_tokens: int
 ) -> Run:
+    """One of our configs on a freshly loaded engine, with its speculation counters summed."""
     label, speculative = OURS[name]
     uses_draft = speculative is not None and speculative["method"] == "draft"
     llm = LLM(
@@ -178,6 +181,7 @@ def hf_generate(
 def run_hf(
     names: list[str], prompts: list[list[int]], max_tokens: int, eos_ids: list[int]
 ) -> Iterator[Run]:
+    """transformers' configs in turn, sharing one loaded target (and assistant)."""
     model = load_hf(TARGET)
     assistant = load_hf(DRAFT) if "hf-assisted" in names else None
     for name in names:
@@ -239,20 +243,22 @@ def summary(runs: list[Run], num_prompts: int) -> list[str]:
     base = by_name.get("nospec")
     if base is None:
         return ["- Not checked for losslessness: run without `nospec`."]
-    ours = [r for r in runs if r.name in OURS and r is not base]
-    broken = [r.label for r in ours if same_outputs(r, base) != num_prompts]
-    lines = [
-        f"- Lossless: **NO**, different tokens from {', '.join(broken)}"
-        if broken
-        else f"- Lossless: all {len(ours)} speculative configs reproduce our no-speculation "
-        "output token for token"
-    ]
+    speculative = [r for r in runs if r.stats is not None]
+    lines = []
+    if speculative:
+        broken = [r.label for r in speculative if same_outputs(r, base) != num_prompts]
+        lines.append(
+            f"- Lossless: **NO**, different tokens from {', '.join(broken)}"
+            if broken
+            else f"- Lossless: all {len(speculative)} speculative configs reproduce our "
+            "no-speculation output token for token"
+        )
     if "hf" in by_name:
         lines.append(
             f"- transformers greedy gives our tokens on {same_outputs(by_name['hf'], base)}"
             f"/{num_prompts} prompts"
         )
-    drafts = [r for r in ours if r.name.startswith("draft")]
+    drafts = [r for r in speculative if r.name.startswith("draft")]
     if drafts:
         best = max(drafts, key=lambda r: r.tokens_per_s)
         lines.append(
@@ -274,7 +280,7 @@ def machine_context(load: float) -> list[str]:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
     date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
-    return [
+    lines = [
         f"- Date: {date.strip()}",
         f"- Machine: `{cpu}` (lscpu model name), {THREADS} cores, no GPU; 1-minute load average "
         f"{load:.2f} when the run started",
@@ -284,6 +290,12 @@ def machine_context(load: float) -> list[str]:
         f"torch.set_num_threads({torch.get_num_threads()})",
         f"- Command: `{shlex.join(['python', *sys.argv])}`",
     ]
+    if load > BUSY_LOAD_PER_CPU * THREADS:
+        lines.append(
+            "- **Busy machine: other processes competed for the cores, which distorts the "
+            "figures and the ratios; re-run on a quiet machine.**"
+        )
+    return lines
 
 
 def write_section(path: Path, section: str) -> None:
