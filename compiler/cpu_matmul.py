@@ -8,7 +8,8 @@ schedules both and branches on m at run time:
 
 * small m, *GEMV*: tile (n, m), split k into vector lanes and ``rfactor`` them, so the inner loop
   streams rows of W as stored (memory bound; each weight byte is read once) into register
-  accumulators, then one horizontal sum per output plus the epilogue.
+  accumulators, then one horizontal sum per output plus the epilogue. Up to 6 rows share one
+  pass over W, so verifying k <= 5 draft tokens costs about one decode step, not k + 1.
 * large m, *GEMM*: per tile of 64 output columns, W is repacked once to [k, 64] (a transpose in
   a small scratch buffer) and reused by every m tile: the inner loop broadcasts A[m, k] and FMAs
   it with 4 contiguous vectors of that tile into 6 x 64 register accumulators (24 FMAs per 10
@@ -24,6 +25,9 @@ from __future__ import annotations
 from tvm import IRModule, s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
+
+# Rows per tile of the small-m GEMV: a verify step's k + 1 <= 6 tokens share one pass over W.
+SMALL_M_TILE = 6
 
 
 def _const(x) -> int | None:
@@ -64,10 +68,10 @@ class CPUMatmul(ScheduleRule):
         if m_ext is not None:
             if gemm_ok and m_ext >= self.gemm_min_m:
                 return self._gemm(func)
-            return self._gemv(func, min(m_ext, 2), n_ext, k_ext)
+            return self._gemv(func, min(m_ext, SMALL_M_TILE), n_ext, k_ext)
         # Symbolic m: branch at run time between separately scheduled bodies. m = 1 (decode of
         # one sequence) gets its own GEMV without m tiling, which would only add padding work.
-        body = self._gemv(func, 2, n_ext, k_ext).mod["main"].body
+        body = self._gemv(func, SMALL_M_TILE, n_ext, k_ext).mod["main"].body
         if gemm_ok:
             gemm = self._gemm(func).mod["main"].body
             body = tirx.IfThenElse(m >= self.gemm_min_m, gemm, body)
@@ -97,7 +101,8 @@ class CPUMatmul(ScheduleRule):
         sch = s_tir.Schedule(func)
         block = sch.get_sblock("NT_matmul")
         lanes = _largest_divisor(k_ext, (self.lanes, 8, 4))
-        n_tile = _largest_divisor(n_ext, (8, 2))
+        # m_tile x n_tile vector accumulators must fit in the 32 AVX-512 registers with the loads.
+        n_tile = _largest_divisor(n_ext, (8, 2) if m_tile <= 2 else (4, 2))
         write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
         mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
         no, ni = sch.split(i2, [None, n_tile])

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -26,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import transformers
+from benchdoc import machine_context, usable_cores, write_section
 from tokenizers import Tokenizer
 
 if TYPE_CHECKING:
@@ -35,15 +32,6 @@ MODEL = "smollm2-135m-instruct"
 PROMPT_LEN = 128
 DECODE_STEPS = 32  # decode runs over contexts 128..160
 MULTI_QUERY_KS = (4, 8)
-# 1-minute load average per CPU, measured before the run, above which the figures are flagged.
-BUSY_LOAD_PER_CPU = 0.25
-START, END = "<!-- bench_cpu:start -->", "<!-- bench_cpu:end -->"
-DOC_HEADER = """# Benchmarks
-
-Measured performance of mlc-spec. Each section names the script and command that produced it.
-Sections sit between `<!-- name:start -->` / `<!-- name:end -->` markers so that a script can
-rewrite its own and leave the others alone (`scripts/bench_cpu.py --write docs/benchmarks.md`).
-"""
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small tin "
     "of oil and a cloth for the lens. Ships passing the rocky headland relied on the beam to find "
@@ -214,50 +202,12 @@ def report(ours: Figures, ref: Figures, context: list[str]) -> str:
     )
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this script's section of ``path``, or append it; other sections are kept."""
-    text = path.read_text() if path.exists() else DOC_HEADER
-    block = f"{START}\n{section}\n{END}"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def machine_context(repeats: int, attention: str, load: float) -> list[str]:
-    """Where and how it ran, for the record: date, CPU, load, versions, threads, command."""
-    import tvm  # already imported by main, after TVM_NUM_THREADS was set
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
-    date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
-    lines = [
-        f"- Date: {date.strip()}",
-        f"- Machine: `{cpu}` (lscpu model name), {os.cpu_count()} CPUs, no GPU; 1-minute load "
-        f"average {load:.2f} when the run started",
-        f"- Software: Python {platform.python_version()}, TVM {tvm.__version__}, torch "
-        f"{torch.__version__}, transformers {transformers.__version__} ({attention} attention)",
-        f"- Threads: TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
-        f"torch.set_num_threads({torch.get_num_threads()}); {repeats} rounds",
-        f"- Command: `{shlex.join(['python', *sys.argv])}`",
-    ]
-    if load > BUSY_LOAD_PER_CPU * (os.cpu_count() or 1):
-        lines.append(
-            "- **Busy machine: other processes competed for the cores, which distorts the "
-            "figures and the ratios; re-run on a quiet machine.**"
-        )
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--threads",
         type=int,
-        default=int(os.environ.get("TVM_NUM_THREADS") or len(os.sched_getaffinity(0))),
+        default=int(os.environ.get("TVM_NUM_THREADS") or usable_cores()),
         help="TVM and torch threads (default: $TVM_NUM_THREADS, else the usable cores)",
     )
     parser.add_argument(
@@ -290,11 +240,19 @@ def main() -> None:
     with torch.inference_mode():
         ours, ref = measure([Compiled(model), Eager(hf)], prompt, continuation, args.repeats)
 
-    context = machine_context(args.repeats, hf.config._attn_implementation, load)
+    import tvm  # already imported, after TVM_NUM_THREADS was set
+
+    context = machine_context(
+        load,
+        f"TVM {tvm.__version__}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__} ({hf.config._attn_implementation} attention)",
+        f"TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
+        f"torch.set_num_threads({torch.get_num_threads()}); {args.repeats} rounds",
+    )
     section = report(ours, ref, context)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, "bench_cpu", section)
 
 
 if __name__ == "__main__":

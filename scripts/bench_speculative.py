@@ -21,9 +21,6 @@ import importlib.resources
 import itertools
 import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -33,8 +30,9 @@ from typing import Any, TypeVar
 
 import torch
 import transformers
+from benchdoc import machine_context, usable_cores, write_section
 
-THREADS = len(os.sched_getaffinity(0))  # the usable cores, as mlc_spec itself defaults to
+THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
 os.environ["TVM_NUM_THREADS"] = str(THREADS)
 
@@ -49,8 +47,6 @@ from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 
 T = TypeVar("T")
 SECTION = "bench_speculative"
-# 1-minute load average per CPU, measured before the run, above which the figures are flagged.
-BUSY_LOAD_PER_CPU = 0.25
 WARMUP_TOKENS = 8
 # name: (table label, our `speculative` argument)
 OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -273,45 +269,6 @@ def summary(runs: list[Run], num_prompts: int) -> list[str]:
     return lines
 
 
-def machine_context(load: float) -> list[str]:
-    """Where and how it ran, for the record: date, CPU, load, versions, threads, command."""
-    import tvm
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
-    date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
-    lines = [
-        f"- Date: {date.strip()}",
-        f"- Machine: `{cpu}` (lscpu model name), {THREADS} cores, no GPU; 1-minute load average "
-        f"{load:.2f} when the run started",
-        f"- Software: Python {platform.python_version()}, TVM {tvm.__version__}, torch "
-        f"{torch.__version__}, transformers {transformers.__version__}",
-        f"- Threads: TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
-        f"torch.set_num_threads({torch.get_num_threads()})",
-        f"- Command: `{shlex.join(['python', *sys.argv])}`",
-    ]
-    if load > BUSY_LOAD_PER_CPU * THREADS:
-        lines.append(
-            "- **Busy machine: other processes competed for the cores, which distorts the "
-            "figures and the ratios; re-run on a quiet machine.**"
-        )
-    return lines
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace this script's marked section of ``path``, or append it; the rest is kept."""
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    text = path.read_text() if path.exists() else ""
-    block = f"{start}\n{section}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = f"{text.rstrip()}\n\n{block}\n".lstrip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def parse_only(value: str) -> list[str]:
     """Config names in the table's order, whatever order they were given in."""
     names = set(value.split(","))
@@ -350,10 +307,19 @@ def main() -> None:
         eos_ids = read_config(target)["eos_token_ids"]
         runs += map(log, run_hf(hf_names, prompts, args.max_tokens, eos_ids))
 
-    section = report(runs, args.num_prompts, args.max_tokens, machine_context(load))
+    import tvm
+
+    context = machine_context(
+        load,
+        f"TVM {tvm.__version__}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}",
+        f"TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
+        f"torch.set_num_threads({torch.get_num_threads()})",
+    )
+    section = report(runs, args.num_prompts, args.max_tokens, context)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, SECTION, section)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Recording benchmark results in docs/benchmarks.md: the run's context and marked sections.
+
+Each benchmark script owns one section between ``<!-- name:start -->`` / ``<!-- name:end -->``
+markers and rewrites only that, so the figures of every script live in one file.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+# 1-minute load average per usable core, read before a run, above which its figures are flagged.
+BUSY_LOAD_PER_CPU = 0.25
+DOC_HEADER = """# Benchmarks
+
+Measured performance of mlc-spec. Each section names the script and command that produced it.
+Sections sit between `<!-- name:start -->` / `<!-- name:end -->` markers so that a script can
+rewrite its own and leave the others alone (`scripts/bench_cpu.py --write docs/benchmarks.md`).
+"""
+
+
+def usable_cores() -> int:
+    """The cores this process may use, which is also what mlc_spec defaults TVM's threads to."""
+    return len(os.sched_getaffinity(0))
+
+
+def machine_context(load: float, software: str, threads: str) -> list[str]:
+    """Where and how it ran: date, CPU, load, versions, threads, command, and a warning when
+    other processes competed for the cores."""
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
+    date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
+    cores = usable_cores()
+    lines = [
+        f"- Date: {date.strip()}",
+        f"- Machine: `{cpu}` (lscpu model name), {cores} cores, no GPU; 1-minute load average "
+        f"{load:.2f} when the run started",
+        f"- Software: Python {platform.python_version()}, {software}",
+        f"- Threads: {threads}",
+        f"- Command: `{shlex.join(['python', *sys.argv])}`",
+    ]
+    if load > BUSY_LOAD_PER_CPU * cores:
+        lines.append(
+            "- **Busy machine: other processes competed for the cores, which distorts the "
+            "figures and the ratios; re-run on a quiet machine.**"
+        )
+    return lines
+
+
+def write_section(path: Path, name: str, section: str) -> None:
+    """Replace section ``name`` of ``path``, or append it; the rest of the file is kept."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else DOC_HEADER
+    block = f"{start}\n{section}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = f"{text.rstrip()}\n\n{block}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
