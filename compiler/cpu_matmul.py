@@ -9,7 +9,8 @@ schedules both and branches on m at run time:
 * small m, *GEMV*: tile (n, m), split k into vector lanes and ``rfactor`` them, so the inner loop
   streams rows of W as stored (memory bound; each weight byte is read once) into register
   accumulators, then one horizontal sum per output plus the epilogue. Up to 6 rows share one
-  pass over W, so verifying k <= 5 draft tokens costs about one decode step, not k + 1.
+  pass over W (tiles of 1, 2, 3 or 6 rows, chosen at run time), so verifying k <= 5 draft
+  tokens costs far less than k + 1 decode steps.
 * large m, *GEMM*: per tile of 64 output columns, W is repacked once to [k, 64] (a transpose in
   a small scratch buffer) and reused by every m tile: the inner loop broadcasts A[m, k] and FMAs
   it with 4 contiguous vectors of that tile into 6 x 64 register accumulators (24 FMAs per 10
@@ -26,8 +27,9 @@ from tvm import IRModule, s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-# Rows per tile of the small-m GEMV: a verify step's k + 1 <= 6 tokens share one pass over W.
-SMALL_M_TILE = 6
+# Row tiles of the small-m GEMV, each used for m up to its size (beyond the last: that size).
+# A verify step's k + 1 <= 6 tokens then share one pass over W with little padding work.
+SMALL_M_TILES = (1, 2, 3, 6)
 
 
 def _const(x) -> int | None:
@@ -68,14 +70,18 @@ class CPUMatmul(ScheduleRule):
         if m_ext is not None:
             if gemm_ok and m_ext >= self.gemm_min_m:
                 return self._gemm(func)
-            return self._gemv(func, min(m_ext, SMALL_M_TILE), n_ext, k_ext)
-        # Symbolic m: branch at run time between separately scheduled bodies. m = 1 (decode of
-        # one sequence) gets its own GEMV without m tiling, which would only add padding work.
-        body = self._gemv(func, SMALL_M_TILE, n_ext, k_ext).mod["main"].body
+            tile = next((t for t in SMALL_M_TILES if m_ext <= t), SMALL_M_TILES[-1])
+            return self._gemv(func, tile, n_ext, k_ext)
+        # Symbolic m: branch at run time between separately scheduled bodies, so that decode
+        # (m = 1), verification (m = k + 1) and prefill each run a loop nest without padding
+        # work they do not need.
+        body = self._gemv(func, SMALL_M_TILES[-1], n_ext, k_ext).mod["main"].body
         if gemm_ok:
             gemm = self._gemm(func).mod["main"].body
             body = tirx.IfThenElse(m >= self.gemm_min_m, gemm, body)
-        body = tirx.IfThenElse(m == 1, self._gemv(func, 1, n_ext, k_ext).mod["main"].body, body)
+        for tile in reversed(SMALL_M_TILES[:-1]):
+            gemv = self._gemv(func, tile, n_ext, k_ext).mod["main"].body
+            body = tirx.IfThenElse(m <= tile, gemv, body)
         root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
         # The bodies come from the same ``func`` and share its loop and block variables.
         merged = s_tir.transform.ConvertSSA()(IRModule({"main": func.with_body(root)}))
