@@ -1,0 +1,321 @@
+"""The one group-quantized weight format of the compiler and models, in plain numpy.
+
+A weight matrix [N, K] (N output rows, K the reduction axis) is stored as unsigned integer codes
+of 4 or 8 bits packed into uint32 words, one float32 scale per group of ``group_size``
+consecutive weights of a row and, for asymmetric formats, one float32 offset per group:
+
+    w[n, k] = scale[n, g] * (c - zero)            symmetric, zero = 2**(bits - 1)
+    w[n, k] = scale[n, g] * c + offset[n, g]      asymmetric, zero = 0
+
+with g = k // group_size, computed in float32 in exactly that order. Every GGUF type that
+``gguf_blocks`` maps loads into this rule without re-quantization, and the kernels decode the
+same expression, so numpy, GGUF and the compiled model agree value for value.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Rows per chunk when quantizing, so temporaries stay a few MB whatever the matrix size.
+_CHUNK_ELEMENTS = 1 << 22
+_FLOAT32_SIGNIFICAND_BITS = 24
+
+
+@dataclass(frozen=True)
+class GroupFormat:
+    """Code width, group size and whether groups carry an offset; named like ``q4g32a``."""
+
+    bits: int
+    group_size: int
+    asymmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"code width must be 4 or 8 bits, got {self.bits}")
+        if self.group_size not in (16, 32):
+            raise ValueError(f"group size must be 16 or 32, got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        return f"q{self.bits}g{self.group_size}{'a' if self.asymmetric else ''}"
+
+    @property
+    def zero(self) -> int:
+        """The code that decodes to zero in a symmetric format (0 when offsets do that job)."""
+        return 0 if self.asymmetric else 1 << (self.bits - 1)
+
+    @property
+    def codes_per_word(self) -> int:
+        return 32 // self.bits
+
+    @classmethod
+    def parse(cls, name: str) -> GroupFormat:
+        match = re.fullmatch(r"q(\d+)g(\d+)(a?)", name)
+        if match is None:
+            raise ValueError(f"not a group format name: {name!r} (expected e.g. q4g32, q8g16a)")
+        return cls(int(match[1]), int(match[2]), bool(match[3]))
+
+    def holds(self, other: GroupFormat) -> bool:
+        """Whether every tensor of ``other`` re-encodes into this format (see ``promote``)."""
+        return (
+            self.bits >= other.bits
+            and other.group_size % self.group_size == 0
+            and self.asymmetric >= other.asymmetric
+        )
+
+    @classmethod
+    def common(cls, formats: Sequence[GroupFormat]) -> GroupFormat:
+        """The narrowest format that holds all of ``formats``."""
+        return cls(
+            max(f.bits for f in formats),
+            min(f.group_size for f in formats),
+            any(f.asymmetric for f in formats),
+        )
+
+
+def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"a quantized weight must be 2-D [N, K], got shape {shape}")
+    if shape[1] == 0 or shape[1] % multiple:
+        raise ValueError(f"shape {shape}: the row length must be a positive multiple of {why}")
+
+
+def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
+    multiple = max(fmt.group_size, fmt.codes_per_word)  # both are powers of two
+    _check_width(shape, multiple, f"{multiple} for {fmt.name}")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [N, K] weight in ``fmt``: packed ``codes`` uint32 [N, K*bits/32], ``scales`` float32
+    [N, K/group_size] and ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None."""
+
+    fmt: GroupFormat
+    codes: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != np.uint32 or self.codes.ndim != 2:
+            raise ValueError(f"codes must be a 2-D uint32 array, got {self.codes.dtype}")
+        _check_format_width(self.shape, self.fmt)
+        groups = (self.shape[0], self.shape[1] // self.fmt.group_size)
+        if self.scales.dtype != np.float32 or self.scales.shape != groups:
+            raise ValueError(
+                f"{self.fmt.name} tensor of shape {self.shape} needs float32 scales of shape "
+                f"{groups}, got {self.scales.dtype} {self.scales.shape}"
+            )
+        if self.fmt.asymmetric != (self.offsets is not None):
+            raise ValueError(f"{self.fmt.name}: offsets must be given exactly when asymmetric")
+        if self.offsets is not None and (
+            self.offsets.dtype != np.float32 or self.offsets.shape != groups
+        ):
+            raise ValueError(
+                f"{self.fmt.name} tensor of shape {self.shape} needs float32 offsets of shape "
+                f"{groups}, got {self.offsets.dtype} {self.offsets.shape}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1] * self.fmt.codes_per_word)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.offsets is None else self.offsets.nbytes
+        return self.codes.nbytes + self.scales.nbytes + extra
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack codes [N, K] (0 <= c < 2**bits) into uint32 words [N, K*bits/32], little-endian
+    along k: code k sits in word k // (32/bits) at bit (k % (32/bits)) * bits."""
+    codes = np.asarray(codes)
+    if bits not in (4, 8):
+        raise ValueError(f"code width must be 4 or 8 bits, got {bits}")
+    _check_width(codes.shape, 32 // bits, f"{32 // bits} codes per word")
+    if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
+        raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits}-bit packing")
+    packed = codes.astype(np.uint8)
+    if bits == 4:
+        packed = packed[:, 0::2] | (packed[:, 1::2] << np.uint8(4))
+    # Bytes in little-endian order within a word are exactly the layout above.
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32, copy=False)
+
+
+def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of ``pack_codes``: uint8 codes [N, K]."""
+    words = np.ascontiguousarray(words, dtype=np.uint32)
+    packed = words.astype("<u4", copy=False).view(np.uint8)
+    if bits == 8:
+        return packed.copy()
+    if bits != 4:
+        raise ValueError(f"code width must be 4 or 8 bits, got {bits}")
+    codes = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)
+    codes[:, 0::2] = packed & np.uint8(0x0F)
+    codes[:, 1::2] = packed >> np.uint8(4)
+    return codes
+
+
+def dequantize(qt: QuantizedTensor) -> np.ndarray:
+    """The float32 [N, K] weights, by the decoding rule in this module's docstring."""
+    fmt = qt.fmt
+    n, k = qt.shape
+    codes = unpack_codes(qt.codes, fmt.bits).reshape(n, k // fmt.group_size, fmt.group_size)
+    scales = qt.scales[:, :, None]
+    if qt.offsets is None:
+        w = scales * (codes.astype(np.float32) - np.float32(fmt.zero))
+    else:
+        w = scales * codes.astype(np.float32) + qt.offsets[:, :, None]
+    return w.reshape(n, k)
+
+
+def take_rows(qt: QuantizedTensor, rows: np.ndarray) -> QuantizedTensor:
+    """The tensor made of rows ``rows`` (any 1-D integer index, in that order)."""
+    rows = np.asarray(rows)
+    if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+        raise ValueError(f"row index must be a 1-D integer array, got {rows.dtype} {rows.shape}")
+    n = qt.shape[0]
+    if rows.size and (rows.min() < -n or rows.max() >= n):
+        raise ValueError(f"row index out of range for a tensor of {n} rows")
+    offsets = None if qt.offsets is None else qt.offsets[rows]
+    return QuantizedTensor(qt.fmt, qt.codes[rows], qt.scales[rows], offsets)
+
+
+def dequantize_rows(qt: QuantizedTensor, rows: np.ndarray) -> np.ndarray:
+    """float32 rows ``rows`` of the tensor, shaped rows.shape + (K,): the reference for an
+    embedding lookup in a quantized table."""
+    rows = np.asarray(rows)
+    return dequantize(take_rows(qt, rows.reshape(-1))).reshape(*rows.shape, qt.shape[1])
+
+
+def permute_rows(qt: QuantizedTensor, index: np.ndarray) -> QuantizedTensor:
+    """Row n of the result is row ``index[n]``; ``index`` must be a permutation of range(N)
+    (llama.cpp stores llama's Q/K rows interleaved per head)."""
+    index = np.asarray(index)
+    if index.shape != (qt.shape[0],) or not np.array_equal(np.sort(index), np.arange(len(index))):
+        raise ValueError(f"index is not a permutation of the {qt.shape[0]} rows")
+    return take_rows(qt, index)
+
+
+def quantize_symmetric(w: np.ndarray, bits: int, group_size: int = 32) -> QuantizedTensor:
+    """Symmetric group quantization of float weights (``--quantization q4`` / ``q8``).
+
+    Per group, scale = absmax / (2**(bits-1) - 1) and q = clip(rint(w / scale), -2**(bits-1),
+    2**(bits-1) - 1) with rint rounding half to even; the code is q + zero. So every weight is
+    within scale/2 of its decoded value (float32 rounding aside), and an all-zero group gets
+    scale 0 and code ``zero``, which decodes to exact zeros.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    fmt = GroupFormat(bits, group_size)
+    _check_format_width(w.shape, fmt)
+    n, k = w.shape
+    max_int = (1 << (bits - 1)) - 1
+    codes = np.empty((n, k), dtype=np.uint8)
+    scales = np.empty((n, k // group_size), dtype=np.float32)
+    step = max(1, _CHUNK_ELEMENTS // k)
+    for start in range(0, n, step):
+        groups = w[start : start + step].reshape(-1, k // group_size, group_size)
+        if not np.isfinite(groups).all():
+            raise ValueError(f"cannot quantize a weight of shape {w.shape}: it has inf or nan")
+        scale = np.abs(groups).max(axis=2) / np.float32(max_int)
+        divisor = np.where(scale == 0, np.float32(1), scale)[:, :, None]
+        q = np.clip(np.rint(groups / divisor), -max_int - 1, max_int)
+        codes[start : start + step] = (q + np.float32(fmt.zero)).astype(np.uint8).reshape(-1, k)
+        scales[start : start + step] = scale
+    return QuantizedTensor(fmt, pack_codes(codes, bits), scales)
+
+
+def _significant_bits(x: np.ndarray) -> np.ndarray:
+    """Bits between the highest and lowest set bit of each float32's significand (0 for 0)."""
+    raw = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    mantissa = (raw & np.uint32(0x7FFFFF)).astype(np.int64)
+    significand = np.where(raw >> np.uint32(23) > 0, mantissa | 0x800000, mantissa)
+    high = np.frexp(significand.astype(np.float64))[1]
+    low = np.frexp((significand & -significand).astype(np.float64))[1]
+    return np.where(significand > 0, high - low + 1, 0)
+
+
+def promote(qt: QuantizedTensor, fmt: GroupFormat) -> QuantizedTensor:
+    """Re-encode ``qt`` exactly into the wider ``fmt``: more bits, a group size dividing the old
+    one (scales and offsets repeat), symmetric to asymmetric. Narrowing raises ValueError.
+
+    Exactness, value for value (``dequantize`` of the result == ``dequantize(qt)``; +0 and -0
+    are not told apart): symmetric to symmetric keeps c - zero, asymmetric keeps c, offsets and
+    scales. Symmetric to asymmetric uses c' = c - zero + s and offset = -s * scale, with s the
+    smallest power of two making every c' >= 0; then scale * c' and offset are exact, so the sum
+    rounds once, like scale * (c - zero), iff every scale * c' is exact. That holds for every GGUF
+    type (scales are an f16 times an integer below 2**8, codes c' below 2**6 for Q6_K); where it
+    does not (full-precision scales with wide codes) this raises ValueError instead of changing
+    values.
+    """
+    src = qt.fmt
+    if not fmt.holds(src):
+        raise ValueError(
+            f"cannot re-encode {src.name} as {fmt.name} exactly: the target needs at least as "
+            "many bits, a group size dividing the source's, and offsets if the source has them"
+        )
+    if fmt == src:
+        return qt
+    codes = unpack_codes(qt.codes, src.bits)
+    scales, offsets = qt.scales, qt.offsets
+    if not src.asymmetric:
+        signed = codes.astype(np.int16) - np.int16(src.zero)
+        if fmt.asymmetric:
+            lowest = -int(signed.min()) if signed.size else 0
+            shift = 1 << (lowest - 1).bit_length() if lowest > 0 else 0
+            codes = (signed + np.int16(shift)).astype(np.uint8)
+            widest = int(codes.max()).bit_length() if codes.size else 0
+            if (_significant_bits(scales) + widest > _FLOAT32_SIGNIFICAND_BITS).any() or not (
+                np.isfinite(scales * np.float32(1 << widest)).all()
+            ):
+                raise ValueError(
+                    f"cannot re-encode {src.name} as {fmt.name} exactly: scale * code is not "
+                    "exact in float32 for these scales"
+                )
+            offsets = scales * np.float32(-shift)
+        else:
+            codes = (signed + np.int16(fmt.zero)).astype(np.uint8)
+    ratio = src.group_size // fmt.group_size
+    if ratio > 1:
+        scales = np.repeat(scales, ratio, axis=1)
+        offsets = None if offsets is None else np.repeat(offsets, ratio, axis=1)
+    return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), scales, offsets)
+
+
+def concat_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
+    """Stack ``parts`` along rows (fused q/k/v or gate/up), each first promoted to the narrowest
+    format holding all of them, so the result decodes to the stacked decoded parts exactly."""
+    if not parts:
+        raise ValueError("concat_rows needs at least one tensor")
+    widths = {p.shape[1] for p in parts}
+    if len(widths) != 1:
+        raise ValueError(f"cannot stack rows of different lengths {sorted(widths)}")
+    fmt = GroupFormat.common([p.fmt for p in parts])
+    parts = [promote(p, fmt) for p in parts]
+    offsets = None if not fmt.asymmetric else np.concatenate([p.offsets for p in parts])
+    return QuantizedTensor(
+        fmt,
+        np.concatenate([p.codes for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        offsets,
+    )
+
+
+def describe(param: QuantizedTensor | np.ndarray) -> dict:
+    """The artifact config's record of one parameter: its format (a group format name or a
+    float dtype), logical shape, and the [shape, dtype] of each stored tensor."""
+    if isinstance(param, QuantizedTensor):
+        tensors = {"codes": [list(param.codes.shape), "uint32"]}
+        tensors["scales"] = [list(param.scales.shape), "float32"]
+        if param.offsets is not None:
+            tensors["offsets"] = [list(param.offsets.shape), "float32"]
+        return {"format": param.fmt.name, "shape": list(param.shape), "tensors": tensors}
+    dtype = str(param.dtype)
+    return {
+        "format": dtype,
+        "shape": list(param.shape),
+        "tensors": {"data": [list(param.shape), dtype]},
+    }

@@ -1,0 +1,282 @@
+"""The group-quantized weight format: packing, quantization, exact re-encoding, and GGUF blocks
+loaded exactly (checked against the ``gguf`` package's own dequantize)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from mlc_spec.compiler.pypi_models import fetch
+from mlc_spec.compiler.quantization import (
+    GroupFormat,
+    QuantizedTensor,
+    UnsupportedTensorType,
+    concat_rows,
+    dequantize,
+    dequantize_rows,
+    describe,
+    format_of,
+    from_gguf,
+    pack_codes,
+    permute_rows,
+    promote,
+    quantize_symmetric,
+    unpack_codes,
+)
+
+SHAPE = (6, 512)
+EXPECTED_FORMAT = {
+    T.Q4_0: "q4g32",
+    T.Q4_1: "q4g32a",
+    T.Q4_K: "q4g32a",
+    T.Q8_0: "q8g32",
+    T.Q5_0: "q8g32",
+    T.Q5_1: "q8g32a",
+    T.Q5_K: "q8g32a",
+    T.Q6_K: "q8g16",
+}
+# gguf 0.19 has no quantizer for the K types: their blocks are random bytes with finite f16
+# d / dmin at these byte offsets.
+K_TYPE_F16_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def _weights(rng: np.random.Generator, shape: tuple[int, int] = SHAPE) -> np.ndarray:
+    w = (rng.standard_normal(shape) * rng.uniform(0.01, 2, (shape[0], 1))).astype(np.float32)
+    w[0, :64] = 0  # all-zero groups
+    return w
+
+
+def _gguf_blocks(ggml_type: T, rng: np.random.Generator, shape: tuple[int, int] = SHAPE):
+    if ggml_type not in K_TYPE_F16_OFFSETS:
+        return gguf.quants.quantize(_weights(rng, shape), ggml_type)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // block_size, type_size), dtype=np.uint8)
+    for offset in K_TYPE_F16_OFFSETS[ggml_type]:
+        d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(shape[0], -1)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("ggml_type", list(EXPECTED_FORMAT), ids=lambda t: t.name)
+def test_gguf_blocks_load_bit_exactly(ggml_type: T) -> None:
+    data = _gguf_blocks(ggml_type, np.random.default_rng(int(ggml_type)))
+    qt = from_gguf(data, ggml_type, SHAPE)
+    assert isinstance(qt, QuantizedTensor)
+    assert qt.fmt.name == EXPECTED_FORMAT[ggml_type] == format_of(ggml_type).name
+    assert qt.shape == SHAPE
+    # Same float32 expressions as gguf.quants, so equal bit for bit (signed zeros included).
+    np.testing.assert_array_equal(
+        _bits(dequantize(qt)), _bits(gguf.quants.dequantize(data, ggml_type))
+    )
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_gguf_floats_load_as_float32(ggml_type: T) -> None:
+    w = _weights(np.random.default_rng(0), (3, 64))
+    data = gguf.quants.quantize(w, ggml_type)
+    out = from_gguf(data, ggml_type, w.shape)
+    assert format_of(ggml_type) is None
+    assert out.dtype == np.float32 and out.shape == w.shape
+    np.testing.assert_array_equal(_bits(out), _bits(gguf.quants.dequantize(data, ggml_type)))
+
+
+def test_unsupported_gguf_type_is_named() -> None:
+    with pytest.raises(UnsupportedTensorType, match=r"IQ2_XXS is not supported \(supported: Q4_0"):
+        from_gguf(np.zeros(66, np.uint8), T.IQ2_XXS, (1, 256))
+    with pytest.raises(ValueError, match="Q2_K"):
+        from_gguf(np.zeros(84, np.uint8), T.Q2_K, (1, 256))
+    with pytest.raises(UnsupportedTensorType, match="IQ4_NL"):
+        format_of(T.IQ4_NL)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_truncated_gguf_data_is_refused(ggml_type: T) -> None:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    data = np.zeros(2 * type_size - 1, np.uint8)
+    with pytest.raises(
+        ValueError, match=rf"{ggml_type.name} tensor of shape \(1, {2 * block_size}"
+    ):
+        from_gguf(data, ggml_type, (1, 2 * block_size))
+
+
+def test_gguf_row_length_must_fit_blocks() -> None:
+    with pytest.raises(ValueError, match="multiple of its block size 256"):
+        from_gguf(np.zeros(144, np.uint8), T.Q4_K, (2, 128))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_layout_and_round_trip(bits: int) -> None:
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, (5, 64), dtype=np.uint8)
+    words = pack_codes(codes, bits)
+    per_word = 32 // bits
+    assert words.dtype == np.uint32 and words.shape == (5, 64 // per_word)
+    expected = sum(int(codes[2, 8 + i]) << (i * bits) for i in range(per_word))
+    assert int(words[2, 8 // per_word]) == expected
+    np.testing.assert_array_equal(unpack_codes(words, bits), codes)
+
+
+def test_pack_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match=r"shape \(2, 12\)"):
+        pack_codes(np.zeros((2, 12), np.uint8), 4)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_codes(np.full((1, 8), 16), 4)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        pack_codes(np.zeros((1, 32), np.uint8), 2)
+
+
+def test_format_names() -> None:
+    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a"):
+        assert GroupFormat.parse(name).name == name
+    assert GroupFormat.parse("q4g32").zero == 8 and GroupFormat.parse("q8g16a").zero == 0
+    with pytest.raises(ValueError, match="4 or 8 bits, got 3"):
+        GroupFormat.parse("q3g32")
+    with pytest.raises(ValueError, match="not a group format"):
+        GroupFormat.parse("float32")
+
+
+def test_tensor_validates_its_arrays() -> None:
+    fmt = GroupFormat(4, 32)
+    codes = np.zeros((2, 8), np.uint32)  # K = 64
+    with pytest.raises(ValueError, match=r"scales of shape \(2, 2\)"):
+        QuantizedTensor(fmt, codes, np.zeros((2, 1), np.float32))
+    with pytest.raises(ValueError, match="offsets"):
+        QuantizedTensor(fmt, codes, np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"shape \(3, 48\)"):
+        quantize_symmetric(np.zeros((3, 48), np.float32), 4)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 32), (4, 16), (8, 16)])
+def test_quantize_symmetric(bits: int, group_size: int) -> None:
+    w = _weights(np.random.default_rng(bits + group_size), (7, 128))
+    qt = quantize_symmetric(w, bits, group_size)
+    assert qt.fmt == GroupFormat(bits, group_size) and qt.offsets is None
+    assert qt.nbytes == 7 * 128 * bits // 8 + qt.scales.nbytes
+
+    max_int = 2 ** (bits - 1) - 1
+    groups = w.reshape(7, -1, group_size)
+    scales = np.abs(groups).max(axis=2, keepdims=True) / np.float32(max_int)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(scales == 0, 0, np.clip(np.rint(groups / scales), -max_int - 1, max_int))
+    np.testing.assert_array_equal(qt.scales, scales[:, :, 0])
+    np.testing.assert_array_equal(
+        unpack_codes(qt.codes, bits), (q + 2 ** (bits - 1)).reshape(w.shape)
+    )
+
+    deq = dequantize(qt)
+    np.testing.assert_array_equal(deq, (scales * q.astype(np.float32)).reshape(w.shape))
+    bound = np.repeat(qt.scales, group_size, axis=1) / 2
+    assert (np.abs(w - deq) <= bound * (1 + 1e-6)).all()
+    assert (deq[0, :64] == 0).all()  # all-zero groups decode to exact zeros
+
+
+def test_quantize_symmetric_refuses_non_finite() -> None:
+    w = np.ones((1, 32), np.float32)
+    w[0, 3] = np.nan
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize_symmetric(w, 8)
+
+
+def _gguf_tensor(ggml_type: T, seed: int, rows: int = 4) -> QuantizedTensor:
+    shape = (rows, 256)
+    return from_gguf(_gguf_blocks(ggml_type, np.random.default_rng(seed), shape), ggml_type, shape)
+
+
+@pytest.mark.parametrize("source", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K])
+def test_promote_is_exact(source: T) -> None:
+    qt = _gguf_tensor(source, int(source))
+    reference = dequantize(qt)
+    wider = [
+        fmt
+        for fmt in map(GroupFormat.parse, ("q4g32", "q4g32a", "q4g16", "q8g32", "q8g16a"))
+        if fmt.holds(qt.fmt)
+    ]
+    assert wider
+    for fmt in wider:
+        promoted = promote(qt, fmt)
+        assert promoted.fmt == fmt
+        # Value-equal: symmetric -> asymmetric may turn a -0.0 into +0.0.
+        np.testing.assert_array_equal(dequantize(promoted), reference)
+
+
+def test_promote_refuses_narrowing_and_inexact_offsets() -> None:
+    qt = _gguf_tensor(T.Q6_K, 0)
+    for name in ("q4g16", "q8g32"):
+        with pytest.raises(ValueError, match=f"q8g16 as {name}"):
+            promote(qt, GroupFormat.parse(name))
+    with pytest.raises(ValueError, match="q8g16a as q8g16"):
+        promote(promote(qt, GroupFormat.parse("q8g16a")), GroupFormat.parse("q8g16"))
+    # Full-precision scales times codes do not fit float32's 24-bit significand.
+    full = quantize_symmetric(np.random.default_rng(0).standard_normal((2, 64)), 8)
+    with pytest.raises(ValueError, match="not exact in float32"):
+        promote(full, GroupFormat.parse("q8g32a"))
+
+
+def test_concat_rows_promotes_to_common_format() -> None:
+    # Qwen2.5-1.5B Q4_K_M fuses q, k (Q4_K) with v (Q6_K).
+    parts = [_gguf_tensor(T.Q4_K, 1, 4), _gguf_tensor(T.Q4_K, 2, 2), _gguf_tensor(T.Q6_K, 3, 2)]
+    fused = concat_rows(parts)
+    assert fused.fmt.name == "q8g16a" and fused.shape == (8, 256)
+    np.testing.assert_array_equal(dequantize(fused), np.concatenate([dequantize(p) for p in parts]))
+    same = [_gguf_tensor(T.Q5_0, 4), _gguf_tensor(T.Q8_0, 5)]  # Qwen2.5-0.5B: no promotion
+    fused = concat_rows(same)
+    assert fused.fmt.name == "q8g32"
+    np.testing.assert_array_equal(
+        _bits(dequantize(fused)), _bits(np.concatenate([dequantize(p) for p in same]))
+    )
+    with pytest.raises(ValueError, match="different lengths"):
+        concat_rows([parts[0], quantize_symmetric(np.zeros((1, 64), np.float32), 4)])
+
+
+def test_permute_and_gather_rows() -> None:
+    qt = _gguf_tensor(T.Q4_1, 0, rows=6)
+    full = dequantize(qt)
+    index = np.random.default_rng(0).permutation(6)
+    np.testing.assert_array_equal(_bits(dequantize(permute_rows(qt, index))), _bits(full[index]))
+    with pytest.raises(ValueError, match="not a permutation"):
+        permute_rows(qt, [0, 0, 1, 2, 3, 4])
+    rows = np.array([[5, 0, 5], [2, 3, 1]])
+    np.testing.assert_array_equal(_bits(dequantize_rows(qt, rows)), _bits(full[rows]))
+    with pytest.raises(ValueError, match="out of range"):
+        dequantize_rows(qt, [6])
+
+
+def test_describe() -> None:
+    qt = _gguf_tensor(T.Q4_K, 0, rows=3)
+    assert describe(qt) == {
+        "format": "q4g32a",
+        "shape": [3, 256],
+        "tensors": {
+            "codes": [[3, 32], "uint32"],
+            "scales": [[3, 8], "float32"],
+            "offsets": [[3, 8], "float32"],
+        },
+    }
+    assert "offsets" not in describe(_gguf_tensor(T.Q6_K, 0))["tensors"]
+    assert describe(np.zeros((4, 2), np.float16)) == {
+        "format": "float16",
+        "shape": [4, 2],
+        "tensors": {"data": [[4, 2], "float16"]},
+    }
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loads_exactly() -> None:
+    reader = gguf.GGUFReader(fetch("smollm2-135m-instruct"), "r")
+    seen = set()
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        loaded = from_gguf(tensor.data, tensor.tensor_type, shape)
+        if isinstance(loaded, QuantizedTensor):
+            loaded = dequantize(loaded)
+        reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        np.testing.assert_array_equal(_bits(loaded), _bits(reference), err_msg=tensor.name)
+        seen.add(tensor.tensor_type.name)
+    assert seen == {"Q4_1", "Q8_0", "F32"}
