@@ -8,16 +8,19 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import safetensors.numpy
 import tvm
 
 from mlc_spec.models import MODEL_CLASSES, ConfigError, ModelConfig
+from mlc_spec.models.quantized import QUANTIZED_SUFFIXES, quantizable_weights, quantize_layers
 from mlc_spec.runtime.artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
     FUNCTIONS,
     LIBRARY_FILE,
     WEIGHTS_FILE,
+    ParamRecord,
 )
 
 from . import flashinfer
@@ -25,6 +28,7 @@ from .convert import convert_parameters
 from .errors import CompileError
 from .pipeline import relax_pipeline
 from .progress import Progress
+from .quantization.plan import Quantize, plan_quantization
 from .sources import ModelSource, load_source
 from .targets import ATTENTION, DEFAULT_DTYPE, check_attention, check_dtype, make_target
 from .truncate import first_layers
@@ -39,10 +43,13 @@ def compile_model(
     show_progress: bool = True,
     num_layers: int | None = None,
     attention: str | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
     ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
-    ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm).
+    ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm);
+    ``quantization`` is one of ``QUANTIZATIONS`` (default: ``as-source`` for a GGUF file,
+    whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -67,6 +74,9 @@ def compile_model(
             raise CompileError(f"{model}: {err}") from None
     if attention == "flashinfer":
         flashinfer.check_supported(cfg, cuda_arch)
+    quantization = quantization or ("as-source" if source.stored_formats else "none")
+    floats = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
+    plan = plan_quantization(quantizable_weights(floats), source.stored_formats, quantization)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -74,7 +84,17 @@ def compile_model(
     staging.mkdir()
     try:
         _write_artifact(
-            staging, Path(model), source, cfg, target, tvm_target, cuda_arch, attention, progress
+            staging,
+            Path(model),
+            source,
+            cfg,
+            target,
+            tvm_target,
+            cuda_arch,
+            attention,
+            plan,
+            quantization,
+            progress,
         )
         staging.rename(out)
     except BaseException:
@@ -93,10 +113,13 @@ def _write_artifact(
     tvm_target: tvm.target.Target,
     cuda_arch: str,
     attention: str,
+    plan: dict[str, Quantize],
+    quantization: str,
     progress: Progress,
 ) -> None:
     module = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
     module.to(cfg.dtype)
+    module = quantize_layers(module, {weight: how.fmt for weight, how in plan.items()})
     with ExitStack() as kernels:
         if attention == "flashinfer":
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
@@ -111,9 +134,10 @@ def _write_artifact(
     with progress.stage("converting weights"):
         params = dict(
             convert_parameters(
-                expected, source.tensors, cfg.dtype, cfg.tie_word_embeddings, progress.count
+                expected, source, cfg.dtype, cfg.tie_word_embeddings, plan, progress.count
             )
         )
+        records = [_record(name, array, plan) for name, array in params.items()]
         safetensors.numpy.save_file(params, str(staging / WEIGHTS_FILE))
         del params
 
@@ -137,14 +161,21 @@ def _write_artifact(
             "attention": attention,
             "tvm_version": tvm.__version__,
             "functions": list(FUNCTIONS),
-            "params": [
-                {"name": name, "shape": list(shape), "dtype": cfg.dtype} for name, shape in expected
-            ],
+            "quantization": quantization,
+            "params": [r.to_json() for r in records],
             "bos_token_id": source.config.get("bos_token_id"),
             "eos_token_ids": _as_list(source.config.get("eos_token_id")),
             "source": {"path": str(model_path.resolve()), "sha256": source.source_hash},
         }
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _record(name: str, array: np.ndarray, plan: dict[str, Quantize]) -> ParamRecord:
+    weight, _, suffix = name.rpartition(".")
+    dtype = str(array.dtype)
+    if suffix in QUANTIZED_SUFFIXES and weight in plan:
+        return ParamRecord(name, array.shape, dtype, weight, plan[weight].fmt.name, "panels")
+    return ParamRecord(name, array.shape, dtype, name, dtype)
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

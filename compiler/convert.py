@@ -4,52 +4,70 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from mlc_spec.models import hf_sources
+from mlc_spec.models.quantized import QUANTIZED_SUFFIXES, to_panels
+from mlc_spec.runtime.artifact import NUMPY_DTYPES
 
 from .errors import CompileError
+from .quantization import QuantizedTensor, concat_rows, promote, quantize_symmetric
+from .quantization.plan import Quantize
+from .sources import ModelSource
 
 # Source tensors that carry no parameter of ours (precomputed RoPE tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
 
 def convert_parameters(
     expected: Sequence[tuple[str, tuple[int, ...]]],
-    tensors: Mapping[str, np.ndarray],
+    source: ModelSource,
     dtype: str,
     tie_word_embeddings: bool,
+    plan: Mapping[str, Quantize],
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield each parameter of the model, in order, fused and cast to ``dtype``.
+    """Yield each parameter of the model, in order: float weights fused and cast to ``dtype``,
+    quantized weights (``plan``, by weight name) as their codes/scales/offsets in panels.
 
     Raises CompileError naming the first tensor that is missing, has the wrong shape, or is
     left over (weights that do not match the config must never compile into a wrong model).
     """
     used: set[str] = set()
-    for i, (name, shape) in enumerate(expected):
-        parts = []
+
+    def parts(name: str, tensors: Mapping[str, object]) -> list:
+        found = []
         for src in hf_sources(name):
             if src not in tensors:
                 raise CompileError(f"weights do not match the config: tensor {src!r} is missing")
-            parts.append(np.asarray(tensors[src]))
+            found.append(tensors[src])
             used.add(src)
-        array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        return found
+
+    current: tuple[str, QuantizedTensor] | None = None  # one quantized weight at a time
+    for i, (name, shape) in enumerate(expected):
+        weight, _, suffix = name.rpartition(".")
+        if suffix in QUANTIZED_SUFFIXES and weight in plan:
+            if current is None or current[0] != weight:
+                current = (weight, _quantized(weight, plan[weight], source, parts))
+            array = to_panels(getattr(current[1], suffix))
+            what = f"{name} (of {weight})"
+        else:
+            found = [np.asarray(p) for p in parts(name, source.tensors)]
+            array = found[0] if len(found) == 1 else np.concatenate(found, axis=0)
+            array = array.astype(NUMPY_DTYPES[dtype], copy=False)
+            what = name if len(found) == 1 else f"{name} (from {', '.join(hf_sources(name))})"
         if tuple(array.shape) != tuple(shape):
-            what = name if len(parts) == 1 else f"{name} (from {', '.join(hf_sources(name))})"
             raise CompileError(
                 f"weights do not match the config: {what} has shape {tuple(array.shape)}, "
                 f"expected {tuple(shape)}"
             )
-        yield name, np.ascontiguousarray(array.astype(_NUMPY_DTYPES[dtype], copy=False))
+        yield name, np.ascontiguousarray(array)
         if on_progress:
             on_progress(i + 1, len(expected))
     leftover = [
         n
-        for n in tensors
+        for n in source.tensors
         if n not in used
         and not n.endswith(_IGNORED_SUFFIXES)
         and not (tie_word_embeddings and n == "lm_head.weight")
@@ -59,3 +77,19 @@ def convert_parameters(
             f"weights do not match the config: unexpected tensor {sorted(leftover)[0]!r} "
             f"({len(leftover)} unused)"
         )
+
+
+def _quantized(
+    weight: str, how: Quantize, source: ModelSource, parts: Callable[..., list]
+) -> QuantizedTensor:
+    """The weight in format ``how.fmt``: its fused parts re-encoded exactly from the file's
+    own quantization, or its float values group-quantized."""
+    if how.as_stored:
+        stored = parts(weight, source.stored)
+        if not all(isinstance(p, QuantizedTensor) for p in stored):
+            raise CompileError(f"{weight}: mixes float and quantized source tensors")
+        qt = concat_rows(stored)
+        return qt if qt.fmt == how.fmt else promote(qt, how.fmt)
+    floats = [np.asarray(p, dtype=np.float32) for p in parts(weight, source.tensors)]
+    w = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=0)
+    return quantize_symmetric(w, how.fmt.bits, how.fmt.group_size)

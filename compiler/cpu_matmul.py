@@ -23,6 +23,7 @@ predicate and the accumulator tile has a static shape that LLVM keeps in registe
 
 from __future__ import annotations
 
+import tvm
 from tvm import IRModule, s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
@@ -30,6 +31,9 @@ from tvm.target import Target
 # Row tiles of the small-m GEMV, each used for m up to its size (beyond the last: that size).
 # A verify step's k + 1 <= 6 tokens then share one pass over W with little padding work.
 SMALL_M_TILES = (1, 2, 3, 6)
+# Row tiles of the quantized panel GEMV (up to what the accumulator registers hold): verify and
+# draft batches of up to 16 rows decode each weight vector once.
+QUANT_M_TILES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 def _const(x) -> int | None:
@@ -38,6 +42,35 @@ def _const(x) -> int | None:
 
 def _largest_divisor(n: int, candidates: tuple[int, ...]) -> int:
     return next((c for c in candidates if n % c == 0), 1)
+
+
+def _vector_shape(target: Target) -> tuple[int, int]:
+    """(float32 lanes of one vector register, vector registers for accumulators)."""
+    if "avx512f" in tvm.target.codegen.llvm_get_cpu_features(target):
+        return 16, 24
+    return 8, 12
+
+
+def _branch_on_m(func, m, small: dict, gemm, gemm_min_m: int) -> s_tir.Schedule:
+    """One kernel for a symbolic m: if-else over the separately scheduled bodies (small-m
+    tiles by size, then the GEMM for m >= gemm_min_m)."""
+    tiles = sorted(small)
+    body = small[tiles[-1]].mod["main"].body
+    if gemm is not None:
+        body = tirx.IfThenElse(m >= gemm_min_m, gemm.mod["main"].body, body)
+    for tile in reversed(tiles[:-1]):
+        body = tirx.IfThenElse(m <= tile, small[tile].mod["main"].body, body)
+    root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+    # The bodies come from the same ``func`` and share its loop and block variables.
+    merged = s_tir.transform.ConvertSSA()(IRModule({"main": func.with_body(root)}))
+    return s_tir.Schedule(merged)
+
+
+def _weight_producers(sch: s_tir.Schedule, block) -> list:
+    """Blocks computing the weight that ``block`` reads (a quantized weight's ``dequantize``);
+    the padding blocks of the activations are not among them."""
+    weight = sch.get(block).reads[-1].source
+    return [p for p in sch.get_producers(block) if sch.get(p).writes[0].source.same_as(weight)]
 
 
 class CPUMatmul(ScheduleRule):
@@ -66,6 +99,8 @@ class CPUMatmul(ScheduleRule):
             return None
         m = i0 * i1
         m_ext = _const(m)
+        if _weight_producers(sch, block):
+            return self._quantized(func, target, m, m_ext, n_ext, k_ext)
         gemm_ok = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
         if m_ext is not None:
             if gemm_ok and m_ext >= self.gemm_min_m:
@@ -75,17 +110,49 @@ class CPUMatmul(ScheduleRule):
         # Symbolic m: branch at run time between separately scheduled bodies, so that decode
         # (m = 1), verification (m = k + 1) and prefill each run a loop nest without padding
         # work they do not need.
-        body = self._gemv(func, SMALL_M_TILES[-1], n_ext, k_ext).mod["main"].body
-        if gemm_ok:
-            gemm = self._gemm(func).mod["main"].body
-            body = tirx.IfThenElse(m >= self.gemm_min_m, gemm, body)
-        for tile in reversed(SMALL_M_TILES[:-1]):
-            gemv = self._gemv(func, tile, n_ext, k_ext).mod["main"].body
-            body = tirx.IfThenElse(m <= tile, gemv, body)
-        root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
-        # The bodies come from the same ``func`` and share its loop and block variables.
-        merged = s_tir.transform.ConvertSSA()(IRModule({"main": func.with_body(root)}))
-        return s_tir.Schedule(merged)
+        small = {t: self._gemv(func, t, n_ext, k_ext) for t in SMALL_M_TILES}
+        return _branch_on_m(func, m, small, self._gemm(func) if gemm_ok else None, self.gemm_min_m)
+
+    def _quantized(self, func, target: Target, m, m_ext, n_ext: int, k_ext: int):
+        """A matmul by a quantized weight stored in panels (``models/quantized.py``): small m
+        runs the panel GEMV, which decodes each weight vector once for all rows of its m tile;
+        large m decodes each panel once into the packed GEMM tile."""
+        lanes, registers = _vector_shape(target)
+        tiles = tuple(t for t in QUANT_M_TILES if t <= registers)
+        gemm_ok = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
+        if m_ext is not None:
+            if gemm_ok and m_ext >= self.gemm_min_m:
+                return self._gemm(func)
+            tile = next((t for t in tiles if m_ext <= t), tiles[-1])
+            return self._panel_gemv(func, tile, lanes, registers)
+        small = {t: self._panel_gemv(func, t, lanes, registers) for t in tiles}
+        return _branch_on_m(func, m, small, self._gemm(func) if gemm_ok else None, self.gemm_min_m)
+
+    def _panel_gemv(self, func, m_tile: int, lanes: int, registers: int) -> s_tir.Schedule:
+        """Vectorised along n: each loaded vector of codes (one word per output column) is
+        decoded in registers and FMA'd with A[m, k] broadcast, for every row of the m tile."""
+        sch = s_tir.Schedule(func)
+        block = sch.get_sblock("NT_matmul")
+        (decode,) = _weight_producers(sch, block)
+        panel = int(sch.get(decode).annotations["panel"])
+        per_word = int(sch.get(decode).annotations["codes_per_word"])
+        write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
+        sch.compute_inline(decode)
+        vectors = _largest_divisor(panel // lanes, tuple(range(registers // m_tile, 0, -1)))
+        mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
+        no, nv, nl = sch.split(i2, [None, vectors, lanes])
+        kw, kj = sch.split(k, [None, per_word])
+        sch.reorder(no, mo, kw, kj, mi, nv, nl)
+        sch.set_scope(block, 0, "local")
+        sch.reverse_compute_at(write_back, mo, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(write_back)[-1])
+        sch.vectorize(nl)
+        sch.unroll(nv)
+        sch.unroll(mi)
+        sch.unroll(kj)
+        sch.parallel(sch.fuse(no, mo))
+        sch.decompose_reduction(block, kw)
+        return sch
 
     @staticmethod
     def _pad_m(sch: s_tir.Schedule, block, m_tile: int):
@@ -110,6 +177,8 @@ class CPUMatmul(ScheduleRule):
         # m_tile x n_tile vector accumulators must fit in the 32 AVX-512 registers with the loads.
         n_tile = _largest_divisor(n_ext, (8, 2) if m_tile <= 2 else (4, 2))
         write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
+        for producer in _weight_producers(sch, block):  # a quantized weight: decode in registers
+            sch.compute_inline(producer)
         mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
         no, ni = sch.split(i2, [None, n_tile])
         ko, ki = sch.split(k, [None, lanes])
@@ -147,8 +216,11 @@ class CPUMatmul(ScheduleRule):
         no, ni = sch.split(i2, [None, n_tile])
         nv, nl = sch.split(ni, [None, lanes])
         sch.reorder(no, mo, k, mi, nv, nl)
-        # Pack W[no-tile, :] as [k, n_tile], once per n tile, ahead of all m tiles.
+        # Pack W[no-tile, :] as [k, n_tile], once per n tile, ahead of all m tiles (a quantized
+        # weight is decoded into this float tile, once per call).
         packed = sch.cache_read(block, 1, "global")
+        for producer in _weight_producers(sch, packed):
+            sch.compute_inline(producer)
         sch.transform_layout(block, ("read", 1), lambda n, kk: (n // n_tile, kk, n % n_tile))
         sch.compute_at(packed, no)
         # Transpose in lanes x lanes blocks, storing vectors along n.

@@ -6,6 +6,7 @@ Hugging Face style config, whatever the source format, so the model code has one
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -21,6 +22,14 @@ import gguf
 import numpy as np
 
 from .errors import CompileError
+from .quantization import (
+    GroupFormat,
+    QuantizedTensor,
+    UnsupportedTensorType,
+    format_of,
+    from_gguf,
+    permute_rows,
+)
 
 # model_type -> the Hugging Face class name that config["architectures"] carries.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -76,6 +85,11 @@ class ModelSource:
     source_hash: str
     path: Path
     chat_template: str | None
+    # As stored in the file, for ``--quantization as-source``: GGUF tensors in the group format
+    # (or float32 arrays for float types), by Hugging Face name, with each one's format (None:
+    # float). Empty for a Hugging Face directory, whose weights are all float.
+    stored: Mapping[str, QuantizedTensor | np.ndarray] = dataclasses.field(default_factory=dict)
+    stored_formats: dict[str, GroupFormat | None] = dataclasses.field(default_factory=dict)
 
     def save_tokenizer(self, out_dir: Path) -> None:
         """Write tokenizer.json, tokenizer_config.json (with the chat template inline) and
@@ -101,14 +115,14 @@ class ModelSource:
         (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-class LazyTensors(Mapping[str, np.ndarray]):
-    """Name -> float32 array, produced on each access and never cached, so a large model is
-    not held in memory twice while it is converted."""
+class LazyTensors(Mapping[str, Any]):
+    """Name -> tensor, produced on each access and never cached, so a large model is not held
+    in memory twice while it is converted."""
 
-    def __init__(self, loaders: dict[str, Callable[[], np.ndarray]]):
+    def __init__(self, loaders: dict[str, Callable[[], Any]]):
         self._loaders = loaders
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str) -> Any:
         return self._loaders[name]()
 
     def __contains__(self, name: object) -> bool:
@@ -331,7 +345,7 @@ def _load_gguf(path: Path) -> ModelSource:
             "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
         }
 
-    loaders = {}
+    loaders, stored, formats = {}, {}, {}
     for tensor in reader.tensors:
         match = _GGUF_TENSOR_NAME.match(tensor.name)
         names = _GGUF_LAYER_NAMES if match and match[1] is not None else _GGUF_GLOBAL_NAMES
@@ -345,13 +359,21 @@ def _load_gguf(path: Path) -> ModelSource:
             raise CompileError(
                 f"{path}: {tensor.name} has {tensor.shape[-1]} rows, not a multiple of 2 x {heads}"
             )
-        loaders[f"{prefix}.{suffix}"] = _gguf_loader(tensor, heads)
+        name = f"{prefix}.{suffix}"
+        loaders[name] = _gguf_loader(tensor, heads)
+        stored[name] = _gguf_stored_loader(path, tensor, heads)
+        try:
+            formats[name] = format_of(tensor.tensor_type)
+        except UnsupportedTensorType as err:
+            raise CompileError(f"{path}: {tensor.name}: {err}") from None
     return ModelSource(
         config=_normalise_config(config),
         tensors=LazyTensors(loaders),
         source_hash=sha256_files([path]),
         path=path,
         chat_template=_gguf_value(reader, path, "tokenizer.chat_template", None),
+        stored=LazyTensors(stored),
+        stored_formats=formats,
     )
 
 
@@ -381,6 +403,24 @@ def _gguf_loader(tensor: gguf.ReaderTensor, heads: int | None) -> Callable[[], n
         if heads is not None:
             array = _unpermute_rows(array, heads)
         return _writable_float32(array)
+
+    return load
+
+
+def _gguf_stored_loader(
+    path: Path, tensor: gguf.ReaderTensor, heads: int | None
+) -> Callable[[], QuantizedTensor | np.ndarray]:
+    def load() -> QuantizedTensor | np.ndarray:
+        try:
+            stored = from_gguf(tensor.data, tensor.tensor_type, tuple(reversed(tensor.shape)))
+        except ValueError as err:  # a truncated or malformed block buffer
+            raise CompileError(f"{path}: {tensor.name}: {err}") from None
+        if heads is None:
+            return stored
+        if isinstance(stored, QuantizedTensor):
+            rows = _unpermute_rows(np.arange(stored.shape[0]), heads)
+            return permute_rows(stored, rows)
+        return _writable_float32(_unpermute_rows(stored, heads))
 
     return load
 

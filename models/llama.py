@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import (
 from tvm.target import Target
 
 from .config import ModelConfig
+from .quantized import QuantizedEmbedding
 
 # Our fused parameter suffix -> the Hugging Face parameters concatenated (along the output rows).
 HF_FUSED = {
@@ -124,8 +125,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
-        if self.cfg.tie_word_embeddings:
-            logits = op.matmul(h, op.permute_dims(self.model.embed_tokens.weight))
+        embed = self.model.embed_tokens
+        if self.cfg.tie_word_embeddings and isinstance(embed, QuantizedEmbedding):
+            logits = embed.project(h)
+        elif self.cfg.tie_word_embeddings:
+            logits = op.matmul(h, op.permute_dims(embed.weight))
         else:
             logits = self.lm_head(h)
         return logits if logits.dtype == "float32" else logits.astype("float32")

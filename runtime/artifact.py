@@ -8,16 +8,56 @@ functions take them), the tokenizer files and ``mlc-spec-config.json`` describin
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 from mlc_spec.errors import UserError
 
 CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FUNCTIONS = ("prefill", "decode", "evaluate_multi_query", "create_paged_kv_cache")
+
+# Storage dtypes of parameters: float weights, and the codes and scales of quantized ones.
+NUMPY_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "uint32": np.uint32,
+}
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One parameter the compiled functions take, in order: its stored tensor and what it is
+    part of. A float weight is one tensor (``format`` = its dtype); a quantized weight is three,
+    ``<weight>.codes`` / ``.scales`` / ``.offsets``, each with ``format`` = the group format's
+    name (e.g. ``q4g32a``, see ``compiler/quantization``) and ``layout`` = ``panels``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    weight: str
+    format: str
+    layout: str = "rows"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> ParamRecord:
+        try:
+            param = cls(**{**record, "shape": tuple(int(d) for d in record["shape"])})
+        except (TypeError, KeyError, ValueError) as err:
+            raise ArtifactError(f"malformed parameter record {record!r}: {err}") from None
+        if param.dtype not in NUMPY_DTYPES:
+            raise ArtifactError(f"parameter {param.name} has unknown dtype {param.dtype!r}")
+        return param
 
 
 class ArtifactError(UserError):
@@ -42,4 +82,5 @@ def read_config(artifact_dir: str | Path) -> dict[str, Any]:
     for name in (LIBRARY_FILE, WEIGHTS_FILE):
         if not (root / name).is_file():
             raise ArtifactError(f"artifact {root} is incomplete: {name} is missing")
+    config["params"] = [ParamRecord.from_json(p) for p in config.get("params", [])]
     return config

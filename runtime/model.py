@@ -12,13 +12,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
+import safetensors
 import tvm
 import tvm.runtime
 import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
-from .artifact import LIBRARY_FILE, WEIGHTS_FILE, ArtifactError, read_config
+from .artifact import (
+    LIBRARY_FILE,
+    NUMPY_DTYPES,
+    WEIGHTS_FILE,
+    ArtifactError,
+    ParamRecord,
+    read_config,
+)
 from .kv_cache import PagedKVCache
 
 # TVM 0.27's paged-KV kernels (append, copy, attention) are generated for 16-token pages.
@@ -51,6 +58,28 @@ def _load_cuda_runtime() -> None:
     importlib.import_module("tvm.support.nvcc")
 
 
+def _load_params(
+    path: Path, records: Sequence[ParamRecord], device: tvm.runtime.Device
+) -> list[tvm.runtime.Tensor]:
+    """The parameters in the order the functions take them, read one at a time so that the
+    host never holds more than one tensor beyond what is already on the device."""
+    params = []
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        stored = set(f.keys())
+        for record in records:
+            if record.name not in stored:
+                raise ArtifactError(f"{path} lacks parameter {record.name!r}")
+            array = f.get_tensor(record.name)
+            if array.shape != record.shape or array.dtype != NUMPY_DTYPES[record.dtype]:
+                raise ArtifactError(
+                    f"{path}: parameter {record.name!r} is {array.dtype}{list(array.shape)}, "
+                    f"the config says {record.dtype}{list(record.shape)}"
+                )
+            params.append(tvm.runtime.tensor(array, device))
+            del array
+    return params
+
+
 class Model:
     """One artifact, ready to run: ``prefill``/``decode``/``evaluate_multi_query`` take token
     ids per sequence and return float32 logits as numpy arrays."""
@@ -65,13 +94,7 @@ class Model:
         self.vm = VirtualMachine(
             tvm.runtime.load_module(str(self.path / LIBRARY_FILE)), self.device
         )
-        weights = safetensors.numpy.load_file(str(self.path / WEIGHTS_FILE))
-        try:
-            self.params = [
-                tvm.runtime.tensor(weights[p["name"]], self.device) for p in self.config["params"]
-            ]
-        except KeyError as err:
-            raise ArtifactError(f"{self.path / WEIGHTS_FILE} lacks parameter {err}") from None
+        self.params = _load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
         self._fn = {name: self.vm[name] for name in self.config["functions"]}
 
     def create_kv_cache(

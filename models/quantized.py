@@ -1,0 +1,192 @@
+"""Group-quantized linear and embedding layers, and the model rewrite that installs them.
+
+A quantized weight [N, K] is stored as its integer codes packed into 32-bit words along K,
+one float32 scale per group of ``group_size`` columns and, for asymmetric formats, one float32
+offset per group (``compiler/quantization/formats.py`` defines the format). The layers
+dequantize inside the kernel that uses the weight: the matmul's TE computes the weight from
+its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines that computation into the
+matmul's inner loop, so no float copy of a weight is ever written to memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+# A quantized weight's parameters, in the order the layers declare them.
+QUANTIZED_SUFFIXES = ("codes", "scales", "offsets")
+
+# Output rows per panel, the first that divides N (every Llama/Qwen2 shape takes 64).
+PANEL_WIDTHS = (64, 32, 16, 8, 1)
+
+
+def to_panels(array: np.ndarray) -> np.ndarray:
+    """Row-major [N, X] (codes, scales or offsets of the format) -> panels [N/P, X, P]."""
+    n, x = array.shape
+    panel = panel_width(n)
+    return np.ascontiguousarray(array.reshape(n // panel, panel, x).transpose(0, 2, 1))
+
+
+class GroupFormat(Protocol):
+    """What the layers need to know of a format (``compiler.quantization.GroupFormat``)."""
+
+    bits: int
+    group_size: int
+    asymmetric: bool
+
+
+def panel_width(rows: int) -> int:
+    """Output rows per panel of the stored layout (see ``QuantizedWeight``)."""
+    return next((p for p in PANEL_WIDTHS if rows % p == 0), 1)
+
+
+def _dequantize(codes: te.Tensor, scales: te.Tensor, offsets: te.Tensor | None, fmt, row, col):
+    """The float32 weight at (row, col) of the logical [N, K] matrix, as
+    ``compiler.quantization.formats.dequantize`` defines it, read from the panel layout."""
+    per_word, panel = 32 // fmt.bits, codes.shape[2]
+    p, r = row // panel, row % panel
+    word = codes[p, col // per_word, r]
+    shift = ((col % per_word) * fmt.bits).astype("uint32")
+    code = ((word >> shift) & tirx.const((1 << fmt.bits) - 1, "uint32")).astype("float32")
+    scale = scales[p, col // fmt.group_size, r]
+    if fmt.asymmetric:
+        return scale * code + offsets[p, col // fmt.group_size, r]
+    return scale * (code - tirx.const(float(1 << (fmt.bits - 1)), "float32"))
+
+
+def quantized_matmul(
+    x: nn.Tensor, weight: QuantizedWeight, out_dtype: str, name: str = "quantized_matmul"
+) -> nn.Tensor:
+    """x [.., m, K] @ W.T -> [.., m, N], W dequantized on the fly.
+
+    Two TE stages: ``dequantize`` (the weight, elementwise) feeding ``NT_matmul`` (the
+    reduction). The CPU schedule recognises that pair, inlines the first into the second and
+    applies its matmul schedule, so the weight is decoded in registers as it streams.
+    """
+    fmt, (n, k) = weight.fmt, weight.shape
+
+    def compute(x_te: te.Tensor, codes: te.Tensor, scales: te.Tensor, *rest: te.Tensor):
+        offsets = rest[0] if rest else None
+        w = te.compute(
+            (n, k),
+            lambda i, j: _dequantize(codes, scales, offsets, fmt, i, j),
+            "dequantize",
+            attrs={"panel": codes.shape[2], "codes_per_word": 32 // fmt.bits},
+        )
+        r = te.reduce_axis((0, k), "k")
+        *lead, _ = x_te.shape
+        out = te.compute(
+            (*lead, n),
+            lambda *idx: te.sum(x_te[(*idx[:-1], r)].astype("float32") * w[idx[-1], r], axis=r),
+            "NT_matmul",
+        )
+        if out_dtype == "float32":
+            return out
+        return te.compute(out.shape, lambda *idx: out[idx].astype(out_dtype), "cast")
+
+    return op.tensor_expr_op(compute, name, [x, *weight.tensors()])
+
+
+class QuantizedWeight(nn.Module):
+    """The parameters of one quantized [N, K] weight: ``codes``, ``scales`` (, ``offsets``),
+    stored in panels of P output rows, k-major inside a panel: codes [N/P, K*bits/32, P],
+    scales and offsets [N/P, K/group, P]. One loaded vector then holds the same code word of
+    P consecutive output rows, so the CPU kernel vectorises along the output and streams each
+    panel front to back (``to_panels`` makes this layout from the row-major format)."""
+
+    def __init__(self, n: int, k: int, fmt: GroupFormat):
+        if k % fmt.group_size or k % (32 // fmt.bits):
+            raise ValueError(f"{k} columns are not a multiple of the group size {fmt.group_size}")
+        self.fmt, self.shape, panel = fmt, (n, k), panel_width(n)
+        groups = (n // panel, k // fmt.group_size, panel)
+        self.codes = nn.Parameter((n // panel, k * fmt.bits // 32, panel), "uint32")
+        self.scales = nn.Parameter(groups, "float32")
+        self.offsets = nn.Parameter(groups, "float32") if fmt.asymmetric else None
+
+    def tensors(self) -> list[nn.Tensor]:
+        return [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
+
+    def to(self, dtype: str | None = None) -> None:
+        """Codes and scales keep their storage types whatever the model's float type."""
+
+
+class QuantizedLinear(nn.Module):
+    """``nn.Linear`` with a quantized weight (the bias, if any, stays in the model's type)."""
+
+    def __init__(self, linear: nn.Linear, fmt: GroupFormat):
+        self.out_dtype = linear.weight.dtype
+        self.weight = QuantizedWeight(linear.out_features, linear.in_features, fmt)
+        self.bias = linear.bias
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        y = quantized_matmul(x, self.weight, self.out_dtype)
+        return y + self.bias if self.bias is not None else y
+
+
+class QuantizedEmbedding(nn.Module):
+    """``nn.Embedding`` over a quantized table: a lookup decodes only the rows it gathers, and
+    a tied LM head multiplies by the same codes (``project``), so the table exists once."""
+
+    def __init__(self, embedding: nn.Embedding, fmt: GroupFormat):
+        self.out_dtype = embedding.weight.dtype
+        self.weight = QuantizedWeight(embedding.num, embedding.dim, fmt)
+
+    def forward(self, ids: nn.Tensor) -> nn.Tensor:
+        fmt, (_, dim) = self.weight.fmt, self.weight.shape
+        flat = op.reshape(ids, (-1,))
+
+        def compute(ids_te: te.Tensor, codes: te.Tensor, scales: te.Tensor, *rest: te.Tensor):
+            offsets = rest[0] if rest else None
+            return te.compute(
+                (ids_te.shape[0], dim),
+                lambda t, j: _dequantize(codes, scales, offsets, fmt, ids_te[t], j).astype(
+                    self.out_dtype
+                ),
+                "embedding_lookup",
+            )
+
+        rows = op.tensor_expr_op(compute, "quantized_take", [flat, *self.weight.tensors()])
+        return op.reshape(rows, (*ids.shape, dim))
+
+    def project(self, h: nn.Tensor) -> nn.Tensor:
+        """h @ table.T: the tied LM head."""
+        return quantized_matmul(h, self.weight, "float32", "quantized_lm_head")
+
+
+def quantizable_weights(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The weights ``quantize_layers`` can quantize: every linear and embedding weight, by
+    parameter name, with its logical shape [N, K] (K is the reduction axis)."""
+    found: dict[str, tuple[int, int]] = {}
+
+    class _Find(nn.Mutator):
+        def visit_module(self, name: str, node: nn.Module):
+            if isinstance(node, nn.Linear):
+                found[f"{name}.weight"] = (node.out_features, node.in_features)
+            elif isinstance(node, nn.Embedding):
+                found[f"{name}.weight"] = (node.num, node.dim)
+            return self.visit(name, node)
+
+    _Find().visit("", model)
+    return found
+
+
+def quantize_layers(model: nn.Module, formats: Mapping[str, GroupFormat]) -> nn.Module:
+    """Swap every ``nn.Linear`` / ``nn.Embedding`` whose ``<path>.weight`` has a format in
+    ``formats`` for its quantized form (an ``nn.Mutator`` model rewrite, as MLC-LLM does it);
+    the layers' parameters become ``<path>.weight.codes`` / ``.scales`` / ``.offsets``."""
+
+    class _Rewrite(nn.Mutator):
+        def visit_module(self, name: str, node: nn.Module):
+            fmt = formats.get(f"{name}.weight")
+            if fmt is not None and isinstance(node, nn.Linear):
+                return QuantizedLinear(node, fmt)
+            if fmt is not None and isinstance(node, nn.Embedding):
+                return QuantizedEmbedding(node, fmt)
+            return self.visit(name, node)
+
+    return _Rewrite().visit("", model)
