@@ -30,7 +30,14 @@ from .pipeline import relax_pipeline
 from .progress import Progress
 from .quantization.plan import Quantize, plan_quantization
 from .sources import ModelSource, load_source
-from .targets import ATTENTION, DEFAULT_DTYPE, check_attention, check_dtype, make_target
+from .targets import (
+    ATTENTION,
+    DEFAULT_DTYPE,
+    check_attention,
+    check_dtype,
+    make_target,
+    vector_features,
+)
 from .truncate import first_layers
 
 
@@ -44,12 +51,14 @@ def compile_model(
     num_layers: int | None = None,
     attention: str | None = None,
     quantization: str | None = None,
+    cpu: str = "native",
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
     ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
     ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm);
     ``quantization`` is one of ``QUANTIZATIONS`` (default: ``as-source`` for a GGUF file,
-    whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory).
+    whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory);
+    ``cpu`` is the CPU an llvm artifact is built for (``native`` or e.g. ``x86-64-v3``).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -57,7 +66,7 @@ def compile_model(
     out = Path(output)
     if out.exists():
         raise CompileError(f"output path {out} already exists")
-    tvm_target = make_target(target, cuda_arch)
+    tvm_target = make_target(target, cuda_arch, cpu)
     dtype = dtype or DEFAULT_DTYPE[target]
     check_dtype(target, dtype)
     attention = attention or ATTENTION[target][0]
@@ -158,6 +167,7 @@ def _write_artifact(
             "model": cfg.to_dict(),
             "target": target,
             "target_spec": str(tvm_target),
+            "cpu_features": vector_features(tvm_target),
             "attention": attention,
             "tvm_version": tvm.__version__,
             "functions": list(FUNCTIONS),

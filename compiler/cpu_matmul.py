@@ -150,7 +150,9 @@ class CPUMatmul(ScheduleRule):
         sch.unroll(nv)
         sch.unroll(mi)
         sch.unroll(kj)
-        sch.parallel(sch.fuse(no, mo))
+        # Parallel over panels only: fusing in the symbolic m loop would make the accumulator
+        # tile's region unprovable, and the accumulators would live in memory.
+        sch.parallel(no)
         sch.decompose_reduction(block, kw)
         return sch
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import tvm
 from tvm.target import Target
+
+from mlc_spec.runtime.artifact import CPU_FEATURE_FLAGS
 
 from .errors import CompileError
 
@@ -13,15 +16,29 @@ ALLOWED_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "bfloat16", "float32
 ATTENTION = {"llvm": ("tir",), "cuda": ("flashinfer", "tir")}
 
 
-def make_target(name: str, cuda_arch: str = "sm_90") -> Target:
-    """``llvm`` compiles for this machine's CPU (its vector extensions included); ``cuda``
-    cross-compiles for ``cuda_arch`` with generic x86-64 host code, no GPU needed (TVM 0.27
-    accepts only the dict form of a CUDA target)."""
+def make_target(name: str, cuda_arch: str = "sm_90", cpu: str = "native") -> Target:
+    """``llvm`` compiles for ``cpu``: ``native`` is this machine's CPU (its vector extensions
+    included), or an LLVM CPU name such as ``x86-64-v3`` (AVX2 + FMA, any x86-64 CPU since
+    2015) for an artifact that runs elsewhere. ``cuda`` cross-compiles for ``cuda_arch`` with
+    generic x86-64 host code, no GPU needed (TVM 0.27 accepts only the dict form)."""
     if name == "llvm":
-        return Target.from_device("cpu")
+        if cpu == "native":
+            return Target.from_device("cpu")
+        if not tvm.target.codegen.llvm_is_valid_cpu(cpu, Target.from_device("cpu").mtriple):
+            raise CompileError(f"unknown CPU {cpu!r} (e.g. native, x86-64-v3, x86-64-v4)")
+        return Target({"kind": "llvm", "mcpu": cpu, "mtriple": Target.from_device("cpu").mtriple})
     if name == "cuda":
         return Target({"kind": "cuda", "arch": cuda_arch}, host={"kind": "llvm"})
     raise CompileError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+
+
+def vector_features(target: Target) -> list[str]:
+    """The x86 vector extensions an llvm artifact's kernels may use (LLVM's names), recorded in
+    the artifact so the runtime can refuse a CPU that lacks one instead of crashing."""
+    if target.kind.name != "llvm":
+        return []
+    features = set(tvm.target.codegen.llvm_get_cpu_features(target))
+    return sorted(features & set(CPU_FEATURE_FLAGS))
 
 
 def check_dtype(target_name: str, dtype: str) -> None:

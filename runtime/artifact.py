@@ -32,6 +32,34 @@ NUMPY_DTYPES = {
 }
 
 
+# x86 vector extensions an llvm artifact records (LLVM's names) -> /proc/cpuinfo's flag names.
+CPU_FEATURE_FLAGS = {
+    "avx": "avx",
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512vnni": "avx512_vnni",
+    "avxvnni": "avx_vnni",
+}
+
+
+def missing_cpu_features(required: list[str], cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The recorded vector extensions this CPU lacks (none where /proc/cpuinfo is absent)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return []
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return [f for f in required if CPU_FEATURE_FLAGS.get(f, f) not in flags]
+
+
 @dataclass(frozen=True)
 class ParamRecord:
     """One parameter the compiled functions take, in order: its stored tensor and what it is

@@ -24,6 +24,7 @@ from .artifact import (
     WEIGHTS_FILE,
     ArtifactError,
     ParamRecord,
+    missing_cpu_features,
     read_config,
 )
 from .kv_cache import PagedKVCache
@@ -32,8 +33,15 @@ from .kv_cache import PagedKVCache
 PAGE_SIZE = 16
 
 
-def _device(target: str) -> tvm.runtime.Device:
+def _device(config: dict) -> tvm.runtime.Device:
+    target = config["target"]
     if target == "llvm":
+        missing = missing_cpu_features(config.get("cpu_features", []))
+        if missing:
+            raise ArtifactError(
+                f"this artifact was compiled for a CPU with {', '.join(missing)}, which this CPU "
+                "lacks; compile it here, or with --cpu x86-64-v3 for a portable build"
+            )
         return tvm.cpu()
     if target == "cuda":
         no_gpu = "this artifact was compiled for CUDA, but no CUDA GPU is visible"
@@ -90,7 +98,7 @@ class Model:
         self.model_config = self.config["model"]
         self.vocab_size = int(self.model_config["vocab_size"])
         self.context_length = int(self.model_config["context_length"])
-        self.device = _device(self.config["target"])
+        self.device = _device(self.config)
         self.vm = VirtualMachine(
             tvm.runtime.load_module(str(self.path / LIBRARY_FILE)), self.device
         )

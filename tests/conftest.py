@@ -9,6 +9,7 @@ import pytest
 from tiny_models import (
     make_tiny_model,
     perturbed_copy,
+    quantize_dequantize,
     save_tiny_checkpoint,
     tiny_config,
 )
@@ -27,16 +28,34 @@ def pytest_collection_modifyitems(config, items):
 
 
 class TinyModel:
-    """A tiny random checkpoint, its transformers reference and its compiled artifact."""
+    """A tiny random checkpoint, its transformers reference and its compiled artifact.
 
-    def __init__(self, root: Path, family: str, seed: int = 0, hf=None, **config_overrides):
+    With ``quantization`` (q4 / q8) the artifact's linear and embedding weights are
+    group-quantized, and the reference is the same model with each of those weights replaced
+    by its quantize-dequantize round trip (``compiler.quantization``'s numpy reference)."""
+
+    def __init__(
+        self,
+        root: Path,
+        family: str,
+        seed: int = 0,
+        hf=None,
+        quantization: str | None = None,
+        **config_overrides,
+    ):
         self.hf = (
             hf if hf is not None else make_tiny_model(tiny_config(family, **config_overrides), seed)
         )
         self.checkpoint = save_tiny_checkpoint(self.hf, root / "hf")
         self.artifact = compile_model(
-            self.checkpoint, "llvm", root / "artifact", show_progress=False
+            self.checkpoint,
+            "llvm",
+            root / "artifact",
+            show_progress=False,
+            quantization=quantization,
         )
+        if quantization is not None:
+            self.hf = quantize_dequantize(self.hf, bits=int(quantization[1:]))
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +76,17 @@ def tiny_llama_draft(tiny_llama, tmp_path_factory) -> TinyModel:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_q4(tmp_path_factory) -> TinyModel:
+    return TinyModel(tmp_path_factory.mktemp("tiny_llama_q4"), "llama", quantization="q4")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_q8(tmp_path_factory) -> TinyModel:
+    """Tied embeddings: the quantized table serves the lookup and the LM head."""
+    return TinyModel(tmp_path_factory.mktemp("tiny_qwen2_q8"), "qwen2", quantization="q8")
 
 
 @pytest.fixture(scope="session")

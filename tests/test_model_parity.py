@@ -18,7 +18,7 @@ def _assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
+@pytest.fixture(params=["tiny_llama", "tiny_qwen2", "tiny_llama_q4", "tiny_qwen2_q8"])
 def tiny(request):
     return request.getfixturevalue(request.param)
 
@@ -39,6 +39,8 @@ def test_logits_match_transformers(tiny):
     _assert_close(prefill, ref[29:30])
     _assert_close(decodes, ref[30:38])
     _assert_close(verify, ref[38:])
+    kv.add_sequence(1)  # 48 rows at once: the matmuls' GEMM path
+    _assert_close(model.evaluate_multi_query(kv, [1], [seq]), ref)
 
 
 def test_ragged_prefill_and_batched_decode_match_transformers(tiny):
@@ -56,12 +58,14 @@ def test_ragged_prefill_and_batched_decode_match_transformers(tiny):
         _assert_close(step[i : i + 1], ref[-1:])
 
 
-def test_multi_query_equals_single_decodes_ragged(tiny):
-    """A ragged batch verified at once (K = 1, 4, 0-free mix) equals K decodes per sequence."""
+@pytest.mark.parametrize("draft_lens", [(1, 4, 6), (2, 3, 7), (5, 5, 6)])
+def test_multi_query_equals_single_decodes_ragged(tiny, draft_lens):
+    """A ragged batch verified at once equals K decodes per sequence; 11, 12 and 16 rows in
+    all cover the matmuls' small-m row tiles (and their padding) beyond the decode path."""
     model = Model(tiny.artifact)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, n) for n in (9, 21, 14)]
-    drafts = [rng.integers(0, VOCAB, k) for k in (1, 4, 6)]
+    drafts = [rng.integers(0, VOCAB, k) for k in draft_lens]
     kv = _cache(model)
     for i, p in enumerate(prompts):
         kv.add_sequence(i)
@@ -70,7 +74,8 @@ def test_multi_query_equals_single_decodes_ragged(tiny):
     verified = model.evaluate_multi_query(kv, [0, 1, 2], drafts)
     singles = [model.decode(kv, [10 + i], [t])[0] for i, d in enumerate(drafts) for t in d]
     np.testing.assert_allclose(verified, np.stack(singles), atol=1e-5)
-    assert [kv.sequence_length(i) for i in range(3)] == [10, 25, 20]
+    lengths = [len(p) + len(d) for p, d in zip(prompts, drafts, strict=True)]
+    assert [kv.sequence_length(i) for i in range(3)] == lengths
 
 
 def test_popn_rollback_equals_never_decoded(tiny):

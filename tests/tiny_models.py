@@ -58,6 +58,21 @@ def perturbed_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch
     return draft
 
 
+def quantize_dequantize(model: torch.nn.Module, bits: int) -> torch.nn.Module:
+    """A copy of ``model`` whose linear and embedding weights went through symmetric group-32
+    quantization and back: the float model a q4/q8 artifact of ``model`` computes."""
+    from mlc_spec.compiler.quantization import dequantize, quantize_symmetric
+
+    copy = transformers.AutoModelForCausalLM.from_config(model.config).eval().float()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for module in copy.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                w = module.weight.numpy()
+                module.weight.copy_(torch.from_numpy(dequantize(quantize_symmetric(w, bits))))
+    return copy
+
+
 def save_tiny_checkpoint(model: torch.nn.Module, out_dir: Path) -> Path:
     """Save weights, config and a word-level tokenizer over the same vocabulary."""
     model.save_pretrained(out_dir)

@@ -24,6 +24,8 @@ def _compile(args: argparse.Namespace) -> None:
         args.cuda_arch,
         num_layers=args.num_layers,
         attention=args.attention,
+        quantization=args.quantization,
+        cpu=args.cpu,
     )
 
 
@@ -122,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["flashinfer", "tir"],
         default=None,
         help="KV-cache attention kernels: flashinfer (default for cuda) or TVM's tir (llvm)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="as-source (default for GGUF: keep each tensor's 4/8-bit quantization as shipped), "
+        "q4 / q8 (group-quantize float weights), none (float; default for Hugging Face)",
+    )
+    p.add_argument(
+        "--cpu",
+        default="native",
+        help="llvm: the CPU to build for, native (default) or e.g. x86-64-v3 (portable AVX2)",
     )
     p.add_argument("-o", "--output", required=True, help="artifact directory (must not exist)")
     p.add_argument(
