@@ -8,10 +8,10 @@ import json
 import zipfile
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
+from tiny_gguf import CHAT_TEMPLATE, write_gguf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -28,7 +28,6 @@ from mlc_spec.compiler.errors import CompileError
 from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
 from mlc_spec.compiler.sources import load_source
 
-CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "def", "f", "x"]
 TINY = dict(
     hidden_size=32,
@@ -189,65 +188,6 @@ def test_hf_save_tokenizer(tmp_path):
 
 # --- GGUF, synthetic ----------------------------------------------------------------------
 
-_HF_TO_GGUF = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's permute() for Q/K (the direction a real file went)."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _gguf_name(hf_name: str) -> str:
-    stem, suffix = hf_name.rsplit(".", 1)
-    if stem.startswith("model.layers."):
-        layer, rest = stem.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
-    return f"{_HF_TO_GGUF[stem]}.{suffix}"
-
-
-def _write_gguf(path: Path, arch: str, state: dict[str, np.ndarray], **meta) -> None:
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
-    writer.add_head_count(TINY["num_attention_heads"])
-    writer.add_head_count_kv(TINY["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(meta.get("rope_theta", 10000.0))
-    writer.add_token_list([f"t{i}" for i in range(TINY["vocab_size"])])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    heads = {"attn_q": TINY["num_attention_heads"], "attn_k": TINY["num_key_value_heads"]}
-    for name, w in state.items():
-        gguf_name = _gguf_name(name)
-        kind = gguf_name.split(".")[-2]
-        if arch == "llama" and kind in heads:
-            w = _llama_cpp_permute(w, heads[kind])
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_synthetic(tmp_path, arch):
@@ -256,7 +196,7 @@ def test_gguf_synthetic(tmp_path, arch):
     if arch == "qwen2":
         del state["lm_head.weight"]  # tied: a GGUF file then has no output.weight
     path = tmp_path / "tiny.gguf"
-    _write_gguf(path, arch, state, rope_theta=250000.0)
+    write_gguf(path, arch, TINY, state, rope_theta=250000.0)
     source = load_source(path)
     _assert_tensors_equal(source.tensors, state)
     cfg = source.config
@@ -327,7 +267,7 @@ def test_bad_sharded_index(tmp_path):
 def test_bad_gguf(tmp_path):
     state = {k: v.float().numpy() for k, v in _tiny_model("llama").state_dict().items()}
     good = tmp_path / "good.gguf"
-    _write_gguf(good, "llama", state)
+    write_gguf(good, "llama", TINY, state)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[:-1000])
     _expect_error(truncated, "truncated.gguf", "corrupt GGUF")
@@ -336,7 +276,7 @@ def test_bad_gguf(tmp_path):
     _expect_error(garbage, "garbage.gguf", "corrupt GGUF")
 
     other = tmp_path / "gpt2.gguf"
-    _write_gguf(other, "gpt2", {})
+    write_gguf(other, "gpt2", TINY, {})
     _expect_error(other, "gpt2.gguf", "unknown GGUF architecture 'gpt2'")
 
 

@@ -1,0 +1,143 @@
+"""GGUF files compiled as shipped (``--quantization as-source``): every supported block type,
+mixed inside one fused matrix, runs exactly the model that transformers' dequantized reading
+of the same file runs; unsupported types and inapplicable flags are refused cleanly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as T
+from tiny_gguf import write_gguf
+from tiny_models import tiny_config
+
+from mlc_spec.compiler.compile import compile_model
+from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.sources import load_source
+from mlc_spec.runtime.model import Model
+
+# K-type super-blocks are 256 weights long, so every reduction axis is 256 here.
+DIMS = dict(
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+)
+LAYER_TYPES = [
+    {  # q/k Q4_K with v Q6_K fuse as 8-bit per-16 asymmetric; Q4_0 + Q4_1 as 4-bit asymmetric
+        "self_attn.q_proj": T.Q4_K,
+        "self_attn.k_proj": T.Q4_K,
+        "self_attn.v_proj": T.Q6_K,
+        "self_attn.o_proj": T.Q5_K,
+        "mlp.gate_proj": T.Q4_0,
+        "mlp.up_proj": T.Q4_1,
+        "mlp.down_proj": T.Q5_0,
+    },
+    {  # o_proj stays float (F16 in the file)
+        "self_attn.q_proj": T.Q8_0,
+        "self_attn.k_proj": T.Q5_1,
+        "self_attn.v_proj": T.Q4_1,
+        "mlp.gate_proj": T.Q4_K,
+        "mlp.up_proj": T.Q4_K,
+        "mlp.down_proj": T.Q6_K,
+    },
+]
+EXPECTED_FORMATS = {
+    "model.embed_tokens.weight": "q8g32",
+    "lm_head.weight": "q8g16",
+    "model.layers.0.self_attn.qkv_proj.weight": "q8g16a",
+    "model.layers.0.self_attn.o_proj.weight": "q8g32a",
+    "model.layers.0.mlp.gate_up_proj.weight": "q4g32a",
+    "model.layers.0.mlp.down_proj.weight": "q8g32",
+    "model.layers.1.self_attn.qkv_proj.weight": "q8g32a",
+    "model.layers.1.self_attn.o_proj.weight": "float32",
+    "model.layers.1.mlp.gate_up_proj.weight": "q4g32a",
+    "model.layers.1.mlp.down_proj.weight": "q8g16",
+}
+
+
+def _write(path, arch: str, override: dict | None = None):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **DIMS)).eval().float()
+    state = {k: (0.05 * torch.randn_like(v)).numpy() for k, v in hf.state_dict().items()}
+    types = {"model.embed_tokens.weight": T.Q8_0, "lm_head.weight": T.Q6_K}
+    for layer, kinds in enumerate(LAYER_TYPES):
+        for kind, ggml_type in kinds.items():
+            types[f"model.layers.{layer}.{kind}.weight"] = ggml_type
+    state["model.layers.1.self_attn.o_proj.weight"] = state[
+        "model.layers.1.self_attn.o_proj.weight"
+    ].astype(np.float16)
+    if arch == "qwen2":  # tied: the file has no output tensor
+        del state["lm_head.weight"]
+    types.update(override or {})
+    write_gguf(path, arch, DIMS, state, types)
+    return path
+
+
+def _reference(path, arch: str) -> torch.nn.Module:
+    """transformers on the file's weights dequantized by the gguf package."""
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **DIMS)).eval().float()
+    tensors = load_source(path).tensors
+    state = {name: torch.from_numpy(np.array(tensors[name])) for name in tensors}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_as_source_matches_transformers(tmp_path, arch):
+    path = _write(tmp_path / "tiny.gguf", arch)
+    artifact = compile_model(path, "llvm", tmp_path / "artifact", show_progress=False)
+    config = json.loads((artifact / "mlc-spec-config.json").read_text())
+    assert config["quantization"] == "as-source"
+    formats = {p["weight"]: p["format"] for p in config["params"]}
+    expected = dict(EXPECTED_FORMATS)
+    if arch == "qwen2":
+        del expected["lm_head.weight"]
+        expected["model.embed_tokens.weight"] = "q8g32"
+    assert {w: formats[w] for w in expected} == expected
+
+    hf = _reference(path, arch)
+    seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(seq[None]).long()).logits[0].numpy()
+    model = Model(artifact)
+    kv = model.create_kv_cache(max_batch_size=2, max_total_len=512, prefill_chunk_size=64)
+    kv.add_sequence(0)
+    ours = np.concatenate(
+        [
+            model.prefill(kv, [0], [seq[:36]]),
+            np.stack([model.decode(kv, [0], [t])[0] for t in seq[36:38]]),
+            model.evaluate_multi_query(kv, [0], [seq[38:]]),
+        ]
+    )
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref[35:]).max() <= 1e-5 * scale  # float32 summation order only
+    np.testing.assert_array_equal(ours.argmax(-1), ref[35:].argmax(-1))
+
+
+def _refused(tmp_path, path, *fragments: str, **kwargs) -> None:
+    out = tmp_path / "refused"
+    with pytest.raises(CompileError) as info:
+        compile_model(path, "llvm", out, show_progress=False, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert not out.exists() and not list(tmp_path.glob(".refused*"))
+
+
+def test_bad_quantization_requests_are_refused(tmp_path):
+    path = _write(tmp_path / "tiny.gguf", "llama")
+    _refused(tmp_path, path, "q4", "already quantized", "as-source", quantization="q4")
+    _refused(tmp_path, path, "unknown quantization 'q3'", quantization="q3")
+    unsupported = _write(
+        tmp_path / "q2k.gguf", "llama", {"model.layers.0.mlp.gate_proj.weight": T.Q2_K}
+    )
+    _refused(tmp_path, unsupported, "q2k.gguf", "blk.0.ffn_gate.weight", "Q2_K", "supported")

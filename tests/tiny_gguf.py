@@ -1,0 +1,109 @@
+"""Writing small GGUF files for tests, the way llama.cpp's converter lays them out: float
+tensors as given, or raw quantized blocks of any GGUF type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+
+_HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# gguf's Python package has no quantizer for the K types: random blocks with finite f16 super
+# scales at these byte offsets stand in for them.
+_K_TYPE_F16_OFFSETS = {T.Q2_K: (80, 82), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permute() for Q/K (the direction a real file went)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        layer, rest = stem.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
+    return f"{_HF_TO_GGUF[stem]}.{suffix}"
+
+
+def quantized_blocks(w: np.ndarray, ggml_type: T, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks of ``ggml_type`` for a [N, K] weight: ``w`` quantized where gguf can, random
+    valid blocks of the right size for the K types."""
+    if ggml_type not in _K_TYPE_F16_OFFSETS:
+        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), ggml_type)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, (w.size // block_size, type_size), dtype=np.uint8)
+    for offset in _K_TYPE_F16_OFFSETS[ggml_type]:
+        d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    dims: dict,
+    state: dict[str, np.ndarray],
+    types: dict[str, T] | None = None,
+    seed: int = 0,
+    **meta,
+) -> None:
+    """A GGUF file of architecture ``arch`` with Hugging Face config ``dims`` and tensors
+    ``state`` (Hugging Face names, float32); ``types`` stores some of them quantized (by HF
+    name). Llama Q/K rows are permuted as llama.cpp's converter does before quantizing."""
+    types = types or {}
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(dims["num_hidden_layers"])
+    writer.add_context_length(dims["max_position_embeddings"])
+    writer.add_embedding_length(dims["hidden_size"])
+    writer.add_feed_forward_length(dims["intermediate_size"])
+    writer.add_head_count(dims["num_attention_heads"])
+    writer.add_head_count_kv(dims["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(meta.get("rope_theta", 10000.0))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(dims["vocab_size"])])
+    writer.add_token_types([1] * dims["vocab_size"])
+    writer.add_token_scores([0.0] * dims["vocab_size"])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    heads = {"attn_q": dims["num_attention_heads"], "attn_k": dims["num_key_value_heads"]}
+    for name, w in state.items():
+        name_in_file = gguf_name(name)
+        kind = name_in_file.split(".")[-2]
+        if arch == "llama" and kind in heads:
+            w = llama_cpp_permute(w, heads[kind])
+        if name in types:
+            blocks = quantized_blocks(w, types[name], rng)
+            writer.add_tensor(name_in_file, blocks, raw_dtype=types[name])
+        else:
+            writer.add_tensor(name_in_file, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
