@@ -34,8 +34,11 @@ def _run(*command: str | Path) -> str:
     ).stdout
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tiny_model_cross_compiles_with_tir_attention(tiny_llama, tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float16", None), ("bfloat16", None), ("float16", "q4")]
+)
+def test_tiny_model_cross_compiles_with_tir_attention(tiny_llama, tmp_path, dtype, quantization):
+    """Quantized weights too: dequantize fused into dlight's GPU matmul/GEMV schedules."""
     out = compile_model(
         tiny_llama.checkpoint,
         "cuda",
@@ -43,8 +46,11 @@ def test_tiny_model_cross_compiles_with_tir_attention(tiny_llama, tmp_path, dtyp
         dtype=dtype,
         show_progress=False,
         attention="tir",
+        quantization=quantization,
     )
     _check_artifact(out, dtype, "tir")
+    formats = {p["format"] for p in json.loads((out / CONFIG_FILE).read_text())["params"]}
+    assert ("q4g32" in formats) == (quantization == "q4")
     if not tvm.cuda(0).exist:
         with pytest.raises(ArtifactError, match="no CUDA GPU"):
             Model(out)
