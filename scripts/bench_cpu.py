@@ -281,8 +281,8 @@ def report(
                 "(`evaluate_multi_query` / `past_key_values`); llama.cpp's figure is `llama-bench "
                 f"-p K -d {PROMPT_LEN}`, which computes the last token's logits only. mlc-spec and "
                 "transformers take turns round by round, each figure the median over `--repeats` "
-                "rounds after a warm-up round; llama.cpp's are llama-bench's means over as many "
-                "repetitions, run just before. Compute floor: "
+                "rounds after a warm-up round; llama.cpp's are medians of llama-bench's "
+                "samples over as many repetitions, run just before. Compute floor: "
                 f"{floor.assumption}; K rows cost K x that many FMAs (attention ignored). Peak "
                 "RSS: a child process loading the model and generating (mlc-spec), llama-bench's "
                 "child; transformers shares the benchmark process and has none.",

@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -97,7 +98,7 @@ def describe_build() -> str:
 
 @dataclass
 class BenchFigures:
-    """llama-bench's averages: decode after ``depth`` tokens, prefill from empty, K-token
+    """llama-bench's medians: decode after ``depth`` tokens, prefill from empty, K-token
     batches after ``depth`` tokens (the shape of a verification step)."""
 
     decode_ms_per_token: float
@@ -116,7 +117,8 @@ def bench(
 ) -> BenchFigures:
     """``llama-bench`` on ``gguf``: prefill of ``n_prompt`` tokens into an empty cache, and, at a
     context of ``n_prompt`` tokens, ``n_gen`` decode steps and one batch of each K in
-    ``batch_ks``; averages over ``reps`` runs after llama-bench's own warm-up run.
+    ``batch_ks``; medians of ``reps`` runs after llama-bench's own warm-up run (its means
+    would follow every stall of a shared machine).
 
     llama-bench's batches compute the logits of their last token only, where verification needs
     all K: its K-token figure leaves out K - 1 rows of the LM head.
@@ -128,16 +130,16 @@ def bench(
     at_depth += ["-p", ",".join(map(str, batch_ks))] if batch_ks else ["-p", "0"]
     deep = run_measured([tool, *common, *at_depth])
     rows = json.loads(prefill.stdout) + json.loads(deep.stdout)
-    decode = next(r for r in rows if r["n_gen"] == n_gen and r["n_prompt"] == 0)
-    pp = next(r for r in rows if r["n_prompt"] == n_prompt and r["n_depth"] == 0)
+
+    def median_ms(n_prompt: int, n_gen: int, depth: int) -> float:
+        shape = (n_prompt, n_gen, depth)
+        row = next(r for r in rows if (r["n_prompt"], r["n_gen"], r["n_depth"]) == shape)
+        return statistics.median(row["samples_ns"]) / 1e6
+
     return BenchFigures(
-        decode_ms_per_token=decode["avg_ns"] / 1e6 / n_gen,
-        prefill_tok_s=pp["avg_ts"],
-        batch_ms={
-            k: next(r for r in rows if r["n_prompt"] == k and r["n_depth"] == n_prompt)["avg_ns"]
-            / 1e6
-            for k in batch_ks
-        },
+        decode_ms_per_token=median_ms(0, n_gen, n_prompt) / n_gen,
+        prefill_tok_s=n_prompt * 1e3 / median_ms(n_prompt, 0, 0),
+        batch_ms={k: median_ms(k, 0, n_prompt) for k in batch_ks},
         peak_rss=max(prefill.peak_rss, deep.peak_rss),
     )
 
