@@ -98,8 +98,8 @@ def describe_build() -> str:
 
 @dataclass
 class BenchFigures:
-    """llama-bench's medians: decode after ``depth`` tokens, prefill from empty, K-token
-    batches after ``depth`` tokens (the shape of a verification step)."""
+    """llama-bench's medians: prefill from empty; decode and K-token batches (the shape of a
+    verification step) at a context of the prompt's length."""
 
     decode_ms_per_token: float
     prefill_tok_s: float
@@ -159,12 +159,8 @@ class Generation:
 
     @property
     def seconds(self) -> float:
+        """Prompt processing plus generation: what mlc-spec's tokens/s divides by too."""
         return self.prompt_s + self.generate_s
-
-    @property
-    def tok_s(self) -> float:
-        """Generated tokens over prompt processing plus generation, as mlc-spec reports it."""
-        return self.tokens / self.seconds
 
 
 GREEDY = ("--temp", "0", "--top-k", "1", "--seed", "0")
