@@ -13,7 +13,7 @@ import safetensors.numpy
 import tvm
 
 from mlc_spec.models import MODEL_CLASSES, ConfigError, ModelConfig
-from mlc_spec.models.quantized import QUANTIZED_SUFFIXES, quantizable_weights, quantize_layers
+from mlc_spec.models.quantized import PANEL_SUFFIXES, quantizable_weights, quantize_layers
 from mlc_spec.runtime.artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -85,7 +85,12 @@ def compile_model(
         flashinfer.check_supported(cfg, cuda_arch)
     quantization = quantization or ("as-source" if source.stored_formats else "none")
     floats = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
-    plan = plan_quantization(quantizable_weights(floats), source.stored_formats, quantization)
+    plan = plan_quantization(
+        quantizable_weights(floats),
+        source.stored_formats,
+        quantization,
+        float_panels=target == "llvm",
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -183,8 +188,9 @@ def _write_artifact(
 def _record(name: str, array: np.ndarray, plan: dict[str, Quantize]) -> ParamRecord:
     weight, _, suffix = name.rpartition(".")
     dtype = str(array.dtype)
-    if suffix in QUANTIZED_SUFFIXES and weight in plan:
-        return ParamRecord(name, array.shape, dtype, weight, plan[weight].fmt.name, "panels")
+    if suffix in PANEL_SUFFIXES and weight in plan:
+        fmt = plan[weight].fmt
+        return ParamRecord(name, array.shape, dtype, weight, fmt.name if fmt else dtype, "panels")
     return ParamRecord(name, array.shape, dtype, name, dtype)
 
 

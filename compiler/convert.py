@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from mlc_spec.models import hf_sources
-from mlc_spec.models.quantized import QUANTIZED_SUFFIXES, to_panels
+from mlc_spec.models.quantized import PANEL_SUFFIXES, to_panels
 from mlc_spec.runtime.artifact import NUMPY_DTYPES
 
 from .errors import CompileError
@@ -27,8 +27,8 @@ def convert_parameters(
     plan: Mapping[str, Quantize],
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield each parameter of the model, in order: float weights fused and cast to ``dtype``,
-    quantized weights (``plan``, by weight name) as their codes/scales/offsets in panels.
+    """Yield each parameter of the model, in order: float weights fused and cast to ``dtype``;
+    weights in ``plan`` (by weight name) in panels, as codes/scales/offsets if quantized.
 
     Raises CompileError naming the first tensor that is missing, has the wrong shape, or is
     left over (weights that do not match the config must never compile into a wrong model).
@@ -44,19 +44,28 @@ def convert_parameters(
             used.add(src)
         return found
 
-    current: tuple[str, QuantizedTensor] | None = None  # one quantized weight at a time
+    def floats(name: str) -> np.ndarray:
+        found = [np.asarray(p) for p in parts(name, source.tensors)]
+        array = found[0] if len(found) == 1 else np.concatenate(found, axis=0)
+        return array.astype(NUMPY_DTYPES[dtype], copy=False)
+
+    current: tuple[str, dict] | None = None  # one panel weight's tensors at a time
     for i, (name, shape) in enumerate(expected):
         weight, _, suffix = name.rpartition(".")
-        if suffix in QUANTIZED_SUFFIXES and weight in plan:
+        if suffix in PANEL_SUFFIXES and weight in plan:
             if current is None or current[0] != weight:
-                current = (weight, _quantized(weight, plan[weight], source, parts))
-            array = to_panels(getattr(current[1], suffix))
+                if plan[weight].fmt is None:
+                    current = (weight, {"panels": floats(weight)})
+                else:
+                    qt = _quantized(weight, plan[weight], source, parts)
+                    current = (weight, {"codes": qt.codes, "scales": qt.scales})
+                    current[1]["offsets"] = qt.offsets
+            array = to_panels(current[1][suffix])
             what = f"{name} (of {weight})"
         else:
-            found = [np.asarray(p) for p in parts(name, source.tensors)]
-            array = found[0] if len(found) == 1 else np.concatenate(found, axis=0)
-            array = array.astype(NUMPY_DTYPES[dtype], copy=False)
-            what = name if len(found) == 1 else f"{name} (from {', '.join(hf_sources(name))})"
+            array = floats(name)
+            sources = hf_sources(name)
+            what = name if len(sources) == 1 else f"{name} (from {', '.join(sources)})"
         if tuple(array.shape) != tuple(shape):
             raise CompileError(
                 f"weights do not match the config: {what} has shape {tuple(array.shape)}, "

@@ -1,20 +1,21 @@
-"""A CPU schedule rule for the ``NT_matmul`` blocks that ``FuseTransposeMatmul`` produces
+"""A CPU schedule rule for the ``NT_matmul`` kernels of the linear layers
 (C[.., m, n] = sum_k A[.., m, k] * W[n, k], plus a fused elementwise epilogue).
 
 ``dlight.cpu`` ships GEMV and Reduction rules but none for matmul; without this rule every
-linear layer runs TVM's naive loop nest (~20x slower). ``m`` (tokens) is symbolic, so one kernel
-serves decode (m = 1..8) and prefill (m = 32..512), which want different loop nests. The rule
-schedules both and branches on m at run time:
+linear layer runs TVM's naive loop nest (~20x slower). On the CPU every weight is stored in
+panels of 64 output rows, k-major (``models/quantized.py``): quantized codes, or float32. The
+kernel's ``dequantize`` stage computes the weight from that storage, and is fused into this
+schedule so that no float copy of a weight is written. ``m`` (tokens) is symbolic, so one kernel
+serves decode (m = 1), verification and draft batches (m = 2..16) and prefill (m >= 32), which
+want different loop nests; the rule schedules each and branches on m at run time:
 
-* small m, *GEMV*: tile (n, m), split k into vector lanes and ``rfactor`` them, so the inner loop
-  streams rows of W as stored (memory bound; each weight byte is read once) into register
-  accumulators, then one horizontal sum per output plus the epilogue. Up to 6 rows share one
-  pass over W (tiles of 1, 2, 3 or 6 rows, chosen at run time), so verifying k <= 5 draft
-  tokens costs far less than k + 1 decode steps.
-* large m, *GEMM*: per tile of 64 output columns, W is repacked once to [k, 64] (a transpose in
-  a small scratch buffer) and reused by every m tile: the inner loop broadcasts A[m, k] and FMAs
-  it with 4 contiguous vectors of that tile into 6 x 64 register accumulators (24 FMAs per 10
-  loads, FMA bound). The packing reads W once per call, which is why small m skips it.
+* small m, *panel GEMV*: vectorised along n. Each loaded vector holds one code word of 16
+  consecutive output rows; it is decoded in registers and FMA'd with A[m, k] broadcast for every
+  row of the m tile (1, 2, 3, 4, 5, 6, 8, 12 or 16 rows, as many as the accumulator registers
+  hold), so up to 16 rows read each weight once.
+* large m, *GEMM*: per panel, W is decoded once into a float [k, 64] scratch tile and reused by
+  every m tile: the inner loop broadcasts A[m, k] and FMAs it with 4 contiguous vectors of the
+  tile into 6 x 64 register accumulators (24 FMAs per 10 loads, FMA bound).
 
 Both pad m to their m tile with ``pad_einsum`` (A is copied to a padded buffer, the result is
 written back with bounds checks) so that the reduction loops carry no per-iteration tail
@@ -28,12 +29,10 @@ from tvm import IRModule, s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-# Row tiles of the small-m GEMV, each used for m up to its size (beyond the last: that size).
-# A verify step's k + 1 <= 6 tokens then share one pass over W with little padding work.
-SMALL_M_TILES = (1, 2, 3, 6)
-# Row tiles of the quantized panel GEMV (up to what the accumulator registers hold): verify and
-# draft batches of up to 16 rows decode each weight vector once.
-QUANT_M_TILES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+# Row tiles of the panel GEMV, each used for m up to its size (beyond the last: that size), as
+# far as the accumulator registers hold them: verify and draft batches of up to 16 rows decode
+# and read each weight vector once.
+M_TILES = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 def _const(x) -> int | None:
@@ -97,28 +96,12 @@ class CPUMatmul(ScheduleRule):
         n_ext, k_ext = _const(n), _const(k)
         if n_ext is None or k_ext is None:
             return None
+        if not _weight_producers(sch, block):
+            return None  # not a linear layer's weight in panels (none on llvm)
         m = i0 * i1
         m_ext = _const(m)
-        if _weight_producers(sch, block):
-            return self._quantized(func, target, m, m_ext, n_ext, k_ext)
-        gemm_ok = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
-        if m_ext is not None:
-            if gemm_ok and m_ext >= self.gemm_min_m:
-                return self._gemm(func)
-            tile = next((t for t in SMALL_M_TILES if m_ext <= t), SMALL_M_TILES[-1])
-            return self._gemv(func, tile, n_ext, k_ext)
-        # Symbolic m: branch at run time between separately scheduled bodies, so that decode
-        # (m = 1), verification (m = k + 1) and prefill each run a loop nest without padding
-        # work they do not need.
-        small = {t: self._gemv(func, t, n_ext, k_ext) for t in SMALL_M_TILES}
-        return _branch_on_m(func, m, small, self._gemm(func) if gemm_ok else None, self.gemm_min_m)
-
-    def _quantized(self, func, target: Target, m, m_ext, n_ext: int, k_ext: int):
-        """A matmul by a quantized weight stored in panels (``models/quantized.py``): small m
-        runs the panel GEMV, which decodes each weight vector once for all rows of its m tile;
-        large m decodes each panel once into the packed GEMM tile."""
         lanes, registers = _vector_shape(target)
-        tiles = tuple(t for t in QUANT_M_TILES if t <= registers)
+        tiles = tuple(t for t in M_TILES if t <= registers)
         gemm_ok = n_ext % self.gemm_tile[1] == 0 and k_ext % self.lanes == 0
         if m_ext is not None:
             if gemm_ok and m_ext >= self.gemm_min_m:
@@ -171,42 +154,6 @@ class CPUMatmul(ScheduleRule):
         if epilogue:
             sch.reverse_compute_inline(epilogue[0])
         return write_back, sch.get_loops(block)
-
-    def _gemv(self, func, m_tile: int, n_ext: int, k_ext: int) -> s_tir.Schedule:
-        sch = s_tir.Schedule(func)
-        block = sch.get_sblock("NT_matmul")
-        lanes = _largest_divisor(k_ext, (self.lanes, 8, 4))
-        # m_tile x n_tile vector accumulators must fit in the 32 AVX-512 registers with the loads.
-        n_tile = _largest_divisor(n_ext, (8, 2) if m_tile <= 2 else (4, 2))
-        write_back, (i0, i1, i2, k) = self._pad_m(sch, block, m_tile)
-        for producer in _weight_producers(sch, block):  # a quantized weight: decode in registers
-            sch.compute_inline(producer)
-        mo, mi = sch.split(sch.fuse(i0, i1), [None, m_tile])
-        no, ni = sch.split(i2, [None, n_tile])
-        ko, ki = sch.split(k, [None, lanes])
-        # n tiles outermost: one tile of W (n_tile rows) stays in L1 while every m tile uses it.
-        sch.reorder(no, mo, ko, mi, ni, ki)
-        partial = sch.rfactor(ki, 3)
-        # After rfactor the loop handles above belong to the sum block; the partial-sum block
-        # has fresh loops, named ax<i> after its i-th block iter (ki, i0, mi, ni, ko).
-        sch.compute_at(partial, mo, preserve_unit_loops=True)
-        sch.reverse_compute_at(write_back, mo, preserve_unit_loops=True)
-        sch.set_scope(partial, 0, "local")
-        sch.set_scope(block, 0, "local")
-        role = {}
-        for rv in sch.get_loops(partial):
-            name = sch.get(rv).loop_var.name
-            if name.startswith("ax") and name[2:].isdigit():
-                role[("ki", "i0", "mi", "ni", "ko")[int(name[2:])]] = rv
-        sch.reorder(role["ko"], role["i0"], role["mi"], role["ni"], role["ki"])
-        # Vectorise and unroll before decompose_reduction, which leaves an update block that
-        # these primitives refuse.
-        sch.vectorize(role["ki"])
-        sch.unroll(role["ni"])
-        sch.unroll(role["mi"])
-        sch.parallel(sch.fuse(no, mo))
-        sch.decompose_reduction(partial, role["ko"])
-        return sch
 
     def _gemm(self, func) -> s_tir.Schedule:
         sch = s_tir.Schedule(func)

@@ -1,11 +1,13 @@
-"""Group-quantized linear and embedding layers, and the model rewrite that installs them.
+"""Linear and embedding layers over weights stored in panels, quantized or float, and the model
+rewrite that installs them.
 
 A quantized weight [N, K] is stored as its integer codes packed into 32-bit words along K,
 one float32 scale per group of ``group_size`` columns and, for asymmetric formats, one float32
 offset per group (``compiler/quantization/formats.py`` defines the format). The layers
 dequantize inside the kernel that uses the weight: the matmul's TE computes the weight from
 its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines that computation into the
-matmul's inner loop, so no float copy of a weight is ever written to memory.
+matmul's inner loop, so no float copy of a weight is ever written to memory. A float weight
+(format ``None``) can take the same panel layout, so that on the CPU it gets the same kernels.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-# A quantized weight's parameters, in the order the layers declare them.
-QUANTIZED_SUFFIXES = ("codes", "scales", "offsets")
+# A panel weight's parameters: a quantized one's, in the order the layers declare them, or a
+# float one's single tensor.
+PANEL_SUFFIXES = ("codes", "scales", "offsets", "panels")
 
 # Output rows per panel, the first that divides N (every Llama/Qwen2 shape takes 64).
 PANEL_WIDTHS = (64, 32, 16, 8, 1)
@@ -45,11 +48,15 @@ def panel_width(rows: int) -> int:
     return next((p for p in PANEL_WIDTHS if rows % p == 0), 1)
 
 
-def _dequantize(codes: te.Tensor, scales: te.Tensor, offsets: te.Tensor | None, fmt, row, col):
-    """The float32 weight at (row, col) of the logical [N, K] matrix, as
-    ``compiler.quantization.formats.dequantize`` defines it, read from the panel layout."""
-    per_word, panel = 32 // fmt.bits, codes.shape[2]
+def _weight_at(fmt: GroupFormat | None, tensors: list[te.Tensor], row, col):
+    """The float32 weight at (row, col) of the logical [N, K] matrix, read from the panel
+    layout; quantized ones as ``compiler.quantization.formats.dequantize`` defines it."""
+    panel = tensors[0].shape[2]
     p, r = row // panel, row % panel
+    if fmt is None:
+        return tensors[0][p, col, r].astype("float32")
+    codes, scales, offsets = (*tensors, None)[:3]
+    per_word = 32 // fmt.bits
     word = codes[p, col // per_word, r]
     shift = ((col % per_word) * fmt.bits).astype("uint32")
     code = ((word >> shift) & tirx.const((1 << fmt.bits) - 1, "uint32")).astype("float32")
@@ -62,7 +69,7 @@ def _dequantize(codes: te.Tensor, scales: te.Tensor, offsets: te.Tensor | None, 
 def quantized_matmul(
     x: nn.Tensor, weight: QuantizedWeight, out_dtype: str, name: str = "quantized_matmul"
 ) -> nn.Tensor:
-    """x [.., m, K] @ W.T -> [.., m, N], W dequantized on the fly.
+    """x [.., m, K] @ W.T -> [.., m, N], W dequantized on the fly (or read, if float).
 
     Two TE stages: ``dequantize`` (the weight, elementwise) feeding ``NT_matmul`` (the
     reduction). The CPU schedule recognises that pair, inlines the first into the second and
@@ -70,13 +77,12 @@ def quantized_matmul(
     """
     fmt, (n, k) = weight.fmt, weight.shape
 
-    def compute(x_te: te.Tensor, codes: te.Tensor, scales: te.Tensor, *rest: te.Tensor):
-        offsets = rest[0] if rest else None
+    def compute(x_te: te.Tensor, *tensors: te.Tensor):
         w = te.compute(
             (n, k),
-            lambda i, j: _dequantize(codes, scales, offsets, fmt, i, j),
+            lambda i, j: _weight_at(fmt, list(tensors), i, j),
             "dequantize",
-            attrs={"panel": codes.shape[2], "codes_per_word": 32 // fmt.bits},
+            attrs={"panel": tensors[0].shape[2], "codes_per_word": weight.codes_per_word},
         )
         r = te.reduce_axis((0, k), "k")
         *lead, _ = x_te.shape
@@ -93,23 +99,31 @@ def quantized_matmul(
 
 
 class QuantizedWeight(nn.Module):
-    """The parameters of one quantized [N, K] weight: ``codes``, ``scales`` (, ``offsets``),
-    stored in panels of P output rows, k-major inside a panel: codes [N/P, K*bits/32, P],
-    scales and offsets [N/P, K/group, P]. One loaded vector then holds the same code word of
-    P consecutive output rows, so the CPU kernel vectorises along the output and streams each
-    panel front to back (``to_panels`` makes this layout from the row-major format)."""
+    """The parameters of one [N, K] weight stored in panels of P output rows, k-major inside a
+    panel: a quantized weight's ``codes`` [N/P, K*bits/32, P], ``scales`` and ``offsets``
+    [N/P, K/group, P], or a float weight's ``panels`` [N/P, K, P] (``fmt`` None). One loaded
+    vector then holds the same code word of P consecutive output rows, so the CPU kernel
+    vectorises along the output and streams each panel front to back (``to_panels`` makes this
+    layout from the row-major one)."""
 
-    def __init__(self, n: int, k: int, fmt: GroupFormat):
+    def __init__(self, n: int, k: int, fmt: GroupFormat | None):
+        self.fmt, self.shape, panel = fmt, (n, k), panel_width(n)
+        self.codes = self.scales = self.offsets = self.panels = None
+        if fmt is None:
+            self.codes_per_word = 1
+            self.panels = nn.Parameter((n // panel, k, panel), "float32")
+            return
         if k % fmt.group_size or k % (32 // fmt.bits):
             raise ValueError(f"{k} columns are not a multiple of the group size {fmt.group_size}")
-        self.fmt, self.shape, panel = fmt, (n, k), panel_width(n)
+        self.codes_per_word = 32 // fmt.bits
         groups = (n // panel, k // fmt.group_size, panel)
-        self.codes = nn.Parameter((n // panel, k * fmt.bits // 32, panel), "uint32")
+        self.codes = nn.Parameter((n // panel, k // self.codes_per_word, panel), "uint32")
         self.scales = nn.Parameter(groups, "float32")
         self.offsets = nn.Parameter(groups, "float32") if fmt.asymmetric else None
 
     def tensors(self) -> list[nn.Tensor]:
-        return [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        found = (self.codes, self.scales, self.offsets, self.panels)
+        return [t for t in found if t is not None]
 
     def to(self, dtype: str | None = None) -> None:
         """Codes and scales keep their storage types whatever the model's float type."""
@@ -118,7 +132,7 @@ class QuantizedWeight(nn.Module):
 class QuantizedLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (the bias, if any, stays in the model's type)."""
 
-    def __init__(self, linear: nn.Linear, fmt: GroupFormat):
+    def __init__(self, linear: nn.Linear, fmt: GroupFormat | None):
         self.out_dtype = linear.weight.dtype
         self.weight = QuantizedWeight(linear.out_features, linear.in_features, fmt)
         self.bias = linear.bias
@@ -132,7 +146,7 @@ class QuantizedEmbedding(nn.Module):
     """``nn.Embedding`` over a quantized table: a lookup decodes only the rows it gathers, and
     a tied LM head multiplies by the same codes (``project``), so the table exists once."""
 
-    def __init__(self, embedding: nn.Embedding, fmt: GroupFormat):
+    def __init__(self, embedding: nn.Embedding, fmt: GroupFormat | None):
         self.out_dtype = embedding.weight.dtype
         self.weight = QuantizedWeight(embedding.num, embedding.dim, fmt)
 
@@ -140,13 +154,10 @@ class QuantizedEmbedding(nn.Module):
         fmt, (_, dim) = self.weight.fmt, self.weight.shape
         flat = op.reshape(ids, (-1,))
 
-        def compute(ids_te: te.Tensor, codes: te.Tensor, scales: te.Tensor, *rest: te.Tensor):
-            offsets = rest[0] if rest else None
+        def compute(ids_te: te.Tensor, *tensors: te.Tensor):
             return te.compute(
                 (ids_te.shape[0], dim),
-                lambda t, j: _dequantize(codes, scales, offsets, fmt, ids_te[t], j).astype(
-                    self.out_dtype
-                ),
+                lambda t, j: _weight_at(fmt, list(tensors), ids_te[t], j).astype(self.out_dtype),
                 "embedding_lookup",
             )
 
@@ -175,18 +186,19 @@ def quantizable_weights(model: nn.Module) -> dict[str, tuple[int, int]]:
     return found
 
 
-def quantize_layers(model: nn.Module, formats: Mapping[str, GroupFormat]) -> nn.Module:
-    """Swap every ``nn.Linear`` / ``nn.Embedding`` whose ``<path>.weight`` has a format in
-    ``formats`` for its quantized form (an ``nn.Mutator`` model rewrite, as MLC-LLM does it);
-    the layers' parameters become ``<path>.weight.codes`` / ``.scales`` / ``.offsets``."""
+def quantize_layers(model: nn.Module, formats: Mapping[str, GroupFormat | None]) -> nn.Module:
+    """Swap every ``nn.Linear`` / ``nn.Embedding`` whose ``<path>.weight`` is in ``formats``
+    for its panel form (an ``nn.Mutator`` model rewrite, as MLC-LLM does it): quantized, with
+    parameters ``<path>.weight.codes`` / ``.scales`` / ``.offsets``, or float (format None),
+    with ``<path>.weight.panels``."""
 
     class _Rewrite(nn.Mutator):
         def visit_module(self, name: str, node: nn.Module):
-            fmt = formats.get(f"{name}.weight")
-            if fmt is not None and isinstance(node, nn.Linear):
-                return QuantizedLinear(node, fmt)
-            if fmt is not None and isinstance(node, nn.Embedding):
-                return QuantizedEmbedding(node, fmt)
+            weight = f"{name}.weight"
+            if weight in formats and isinstance(node, nn.Linear):
+                return QuantizedLinear(node, formats[weight])
+            if weight in formats and isinstance(node, nn.Embedding):
+                return QuantizedEmbedding(node, formats[weight])
             return self.visit(name, node)
 
     return _Rewrite().visit("", model)

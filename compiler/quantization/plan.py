@@ -18,29 +18,32 @@ _GROUP_SIZE = 32
 
 @dataclass(frozen=True)
 class Quantize:
-    """How one weight becomes quantized: re-encoded exactly from the tensors as the file
-    stores them (``as_stored``), or group-quantized from its float values."""
+    """How one weight is stored in panels (``models/quantized.py``): re-encoded exactly from
+    the tensors as the file stores them (``as_stored``), group-quantized from its float values,
+    or (``fmt`` None) kept float."""
 
-    fmt: GroupFormat
-    as_stored: bool
+    fmt: GroupFormat | None
+    as_stored: bool = False
 
 
 def plan_quantization(
     weights: Mapping[str, tuple[int, int]],
     stored_formats: Mapping[str, GroupFormat | None],
     quantization: str,
+    float_panels: bool = False,
 ) -> dict[str, Quantize]:
-    """The format of each quantizable weight (``weights``: name -> [N, K], the model's linear
-    and embedding weights); weights left out stay float. ``stored_formats`` gives the source
-    tensors' own formats by Hugging Face name (empty for a float source)."""
+    """The storage of each linear and embedding weight (``weights``: name -> [N, K]); weights
+    left out keep the plain float layout. ``stored_formats`` gives the source tensors' own
+    formats by Hugging Face name (empty for a float source). ``float_panels`` puts the float
+    weights in panels too (the CPU kernels want them so)."""
     if quantization not in QUANTIZATIONS:
         raise CompileError(
             f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
         )
+    plan = {w: Quantize(None) for w in weights} if float_panels else {}
     if quantization == "none":
-        return {}
+        return plan
     if quantization == "as-source":
-        plan = {}
         for weight in weights:
             formats = [stored_formats.get(src) for src in hf_sources(weight)]
             if all(f is not None for f in formats):
@@ -57,4 +60,4 @@ def plan_quantization(
     for weight, (_, k) in weights.items():
         if k % _GROUP_SIZE:
             raise CompileError(f"{weight} has {k} columns, not a multiple of {_GROUP_SIZE}")
-    return {weight: Quantize(fmt, as_stored=False) for weight in weights}
+    return {weight: Quantize(fmt) for weight in weights}
