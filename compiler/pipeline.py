@@ -7,6 +7,7 @@ from tvm import relax as rx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
+from .cpu_attention import CPUAttention
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
 from .gpu_tensorize import SkipTensorize
@@ -15,7 +16,7 @@ from .noalias import MarkShapeFuncNoAlias
 
 def _schedule_rules(target: Target) -> list:
     if target.kind.name == "llvm":
-        return [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise()]
+        return [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise(), CPUAttention()]
     return [
         dl.gpu.Matmul(),
         dl.gpu.GEMV(),

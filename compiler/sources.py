@@ -74,8 +74,8 @@ _MISSING = object()
 class ModelSource:
     """A model's config, weights and tokenizer as read from its source.
 
-    ``config`` is a Hugging Face config.json-style dict with the fields downstream code reads
-    always present (see ``_normalise_config``). ``tensors`` maps Hugging Face parameter names
+    ``config`` is a Hugging Face config.json-style dict (GGUF metadata mapped to the same
+    fields), read by ``models.ModelConfig.from_hf``. ``tensors`` maps Hugging Face parameter names
     to float32 arrays, read or dequantized on each access. ``source_hash`` is the sha256 over
     the weight files' bytes (for a single file, that file's own sha256).
     """
@@ -158,32 +158,13 @@ def sha256_files(paths: Iterable[Path]) -> str:
 
 
 def _normalise_config(config: dict) -> dict:
-    """Fill in the fields downstream code reads, whichever transformers version (or GGUF
-    converter) wrote the config, using the defaults the Llama/Qwen2 config classes use."""
+    """Fill in what the source format may leave out and the compiler reads before the model
+    config (``models.ModelConfig.from_hf``, the one place that interprets Hugging Face config
+    fields) does: the architecture from ``model_type``, and the BOS/EOS ids."""
     cfg = dict(config)
     model_type = cfg.get("model_type")
     if "architectures" not in cfg and model_type in _ARCHITECTURES:
         cfg["architectures"] = [_ARCHITECTURES[model_type]]
-    # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
-    rope = cfg.get("rope_parameters") or {}
-    cfg["rope_theta"] = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    if "rope_scaling" not in cfg:
-        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    scaling = cfg["rope_scaling"]
-    if scaling and "type" in scaling:  # transformers < 4.43 spelling
-        scaling = {"rope_type": scaling["type"], **scaling}
-    if not scaling or scaling.get("rope_type", "default") == "default":
-        scaling = None
-    cfg["rope_scaling"] = scaling
-    # Qwen2 always has the Q/K/V bias and its config has no attention_bias field.
-    is_qwen2 = "Qwen2ForCausalLM" in cfg.get("architectures", [])
-    cfg["attention_bias"] = is_qwen2 or bool(cfg.get("attention_bias", False))
-    cfg["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
-    cfg.setdefault("rms_norm_eps", 1e-6)
-    if "num_attention_heads" in cfg:
-        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        if "hidden_size" in cfg:
-            cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     cfg.setdefault("bos_token_id", None)
     cfg.setdefault("eos_token_id", None)
     return cfg

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from mlc_spec.cli import main
+from mlc_spec.runtime.artifact import CONFIG_FILE, ArtifactError, missing_cpu_features
+from mlc_spec.runtime.model import Model
 
 
 @pytest.fixture
@@ -118,3 +120,36 @@ def test_missing_model_path_from_the_shell(tmp_path):
         f"mlc-spec compile: error: model path {tmp_path / 'nope'} does not exist"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--cpu", "pentium-9000"], "unknown CPU 'pentium-9000'"),
+        (["--quantization", "q3"], "unknown quantization 'q3'"),
+    ],
+)
+def test_bad_cpu_or_quantization(checkpoint, tmp_path, capsys, flags, expected):
+    out = tmp_path / "out"
+    code, message = _compile(capsys, str(checkpoint), "--target", "llvm", *flags, "-o", str(out))
+    assert code == 1 and expected in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_artifact_for_a_cpu_without_its_vector_extensions_is_refused(tiny_llama, tmp_path):
+    """An llvm artifact records the vector extensions it was built with; a CPU lacking one
+    gets a clear error, not an illegal-instruction crash."""
+    artifact = Path(shutil.copytree(tiny_llama.artifact, tmp_path / "artifact"))
+    config_path = artifact / CONFIG_FILE
+    config = json.loads(config_path.read_text())
+    assert "avx2" in config["cpu_features"]  # x86-64 CI machines have it
+    config["cpu_features"].append("avx512vnni-from-the-future")
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match="avx512vnni-from-the-future, which this CPU lacks"):
+        Model(artifact)
+
+
+def test_missing_cpu_features_reads_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma avx512f avx512_vnni\n")
+    assert missing_cpu_features(["avx2", "avx512vnni", "avx512bw"], cpuinfo) == ["avx512bw"]

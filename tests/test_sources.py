@@ -27,6 +27,7 @@ from mlc_spec.compiler import pypi_models
 from mlc_spec.compiler.errors import CompileError
 from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
 from mlc_spec.compiler.sources import load_source
+from mlc_spec.models import ConfigError, ModelConfig
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "def", "f", "x"]
 TINY = dict(
@@ -100,7 +101,7 @@ def test_hf_dir_reads_state_dict_and_normalised_config(tmp_path, arch):
     path, state = _hf_dir(tmp_path, arch)
     source = load_source(path)
     if arch == "qwen2":  # tied: transformers' state dict also lists lm_head.weight
-        assert source.config["tie_word_embeddings"] is True
+        assert ModelConfig.from_hf(source.config).tie_word_embeddings is True
         del state["lm_head.weight"]
     _assert_tensors_equal(source.tensors, state)
     assert "no.such.tensor" not in source.tensors
@@ -113,17 +114,18 @@ def test_hf_dir_reads_state_dict_and_normalised_config(tmp_path, arch):
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
         assert cfg[key] == TINY[key]
     assert cfg["intermediate_size"] == 48 and cfg["vocab_size"] == 64
-    assert cfg["head_dim"] == 8
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
-    assert cfg["attention_bias"] is (arch == "qwen2")
+    model = ModelConfig.from_hf(cfg)
+    assert model.head_dim == 8
+    assert model.attention_bias is (arch == "qwen2")
     if arch == "llama":
-        assert cfg["rope_theta"] == 500000.0
-        assert cfg["rope_scaling"]["rope_type"] == "llama3"
-        assert cfg["rope_scaling"]["factor"] == 8.0
-        assert cfg["tie_word_embeddings"] is False
+        assert model.rope_theta == 500000.0
+        assert model.rope_scaling["rope_type"] == "llama3"
+        assert model.rope_scaling["factor"] == 8.0
+        assert model.tie_word_embeddings is False
     else:
-        assert cfg["rope_theta"] == 10000.0
-        assert cfg["rope_scaling"] is None
+        assert model.rope_theta == 10000.0
+        assert model.rope_scaling is None
 
     assert source.source_hash == _sha256(path / "model.safetensors")
     assert load_source(path).source_hash == source.source_hash
@@ -157,11 +159,14 @@ def test_hf_config_from_older_transformers(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
     cfg = load_source(path).config
-    assert cfg["rope_theta"] == 250000.0 and isinstance(cfg["rope_theta"], float)
-    assert cfg["rope_scaling"] == {"rope_type": "linear", "type": "linear", "factor": 2.0}
-    assert cfg["tie_word_embeddings"] is False
-    assert cfg["head_dim"] == 8
     assert cfg["eos_token_id"] == [2, 3]  # the generation config's full stop list wins
+    with pytest.raises(ConfigError, match="unsupported rope scaling 'linear'"):
+        ModelConfig.from_hf(cfg)  # the "type" spelling is read, and linear is not implemented
+    del cfg["rope_scaling"]
+    model = ModelConfig.from_hf(cfg)
+    assert model.rope_theta == 250000.0 and isinstance(model.rope_theta, float)
+    assert model.tie_word_embeddings is False
+    assert model.head_dim == 8
 
 
 def test_hf_save_tokenizer(tmp_path):
@@ -205,9 +210,10 @@ def test_gguf_synthetic(tmp_path, arch):
     ]
     assert {k: cfg[k] for k in TINY} == TINY
     assert cfg["rms_norm_eps"] == 1e-5  # stored as float32, read back as the decimal it was
-    assert cfg["rope_theta"] == 250000.0 and cfg["rope_scaling"] is None
-    assert cfg["tie_word_embeddings"] is (arch == "qwen2")
-    assert cfg["attention_bias"] is (arch == "qwen2")
+    model = ModelConfig.from_hf(cfg)
+    assert model.rope_theta == 250000.0 and model.rope_scaling is None
+    assert model.tie_word_embeddings is (arch == "qwen2")
+    assert model.attention_bias is (arch == "qwen2")
     assert source.chat_template == CHAT_TEMPLATE
     assert source.source_hash == _sha256(path)
 
@@ -307,7 +313,7 @@ def test_smollm2_tensors_match_transformers(smollm2):
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     assert cfg["rope_theta"] == 100000.0 and cfg["rms_norm_eps"] == 1e-5
-    assert cfg["attention_bias"] is False
+    assert ModelConfig.from_hf(cfg).attention_bias is False
     assert source.source_hash == pypi_models.MODELS["smollm2-135m-instruct"].sha256
 
 
@@ -336,7 +342,8 @@ _QWEN_05B = default_cache_dir() / "qwen2.5-coder-0.5b-instruct.gguf"
 @pytest.mark.skipif(not _QWEN_05B.exists(), reason="Qwen2.5-Coder-0.5B not fetched")
 def test_qwen_05b_config():
     cfg = load_source(_QWEN_05B).config
-    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["attention_bias"] is True
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert ModelConfig.from_hf(cfg).attention_bias is True
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (
         24,
         896,
