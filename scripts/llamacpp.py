@@ -220,7 +220,8 @@ def plain(gguf: Path, prompt: str, n_predict: int, threads: int = 2) -> Generati
         tokens=int(runs) + 1,
         prompt_s=float(prompt_ms) / 1e3,
         generate_s=float(eval_ms) / 1e3,
-        text=done.stdout.removesuffix("\n").removesuffix(" [end of text]"),
+        # it prints the generation, " [end of text]\n" if it ended there, then two newlines
+        text=done.stdout.removesuffix("\n\n").removesuffix(" [end of text]\n"),
         peak_rss=done.peak_rss,
     )
 
@@ -234,8 +235,8 @@ def _match(pattern: str, text: str) -> str:
 
 def _generated_text(stdout: str, prompt: str) -> str:
     """llama-speculative-simple prints two newlines and the prompt before the generation, and
-    two newlines after it."""
-    text = stdout.removeprefix("\n\n").removesuffix("\n\n")
+    four newlines after it."""
+    text = stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
     if not text.startswith(prompt):
         raise RuntimeError(f"llama-speculative-simple did not echo the prompt:\n{stdout[:500]}")
     return text[len(prompt) :]
