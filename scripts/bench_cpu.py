@@ -197,8 +197,8 @@ def lscpu_fields() -> dict[str, str]:
 
 def compute_floor(parameters: int, threads: int) -> ComputeFloor:
     """Peak float32 FMA rate of ``threads`` cores from lscpu: 2 FMA units of 16 lanes with
-    AVX-512 (AMD family 25, Zen 3/4, splits 512-bit FMAs into two 256-bit halves: 8 lanes), of
-    8 lanes with AVX2; the clock is lscpu's max MHz, else the TSC rate (BogoMIPS / 2)."""
+    AVX-512 (but 8 on AMD family 25: Zen 4 splits 512-bit FMAs into two 256-bit halves), of 8
+    lanes with AVX2; the clock is lscpu's max MHz, else the TSC rate (BogoMIPS / 2)."""
     cpu = lscpu_fields()
     flags = set(cpu["Flags"].split())
     zen = cpu.get("Vendor ID") == "AuthenticAMD" and cpu.get("CPU family") == "25"
