@@ -40,7 +40,7 @@ from .speculation import (
     GoodputPolicy,
     StepCosts,
 )
-from .speculation.warm_up import spread, time_passes
+from .speculation.warm_up import record, spread, time_passes
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig"]
@@ -110,13 +110,11 @@ class Engine:
         rows, width = self.config.max_batch_size, self.max_k + 1
         decodes = [[1] * r for r in range(1, rows + 1)]
         verifies = [spread(n, width) for n in range(2, rows * width + 1)]
-        for lengths, s in zip(decodes, self._time("decode", decodes), strict=True):
-            self.costs.decode.observe(len(lengths), s)
-        for lengths, s in zip(verifies, self._time("evaluate_multi_query", verifies), strict=True):
-            self.costs.verify.observe(sum(lengths), s)
+        record(self.costs.decode, map(len, decodes), self._time("decode", decodes))
+        record(self.costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
         self.proposer.warm_up(rows)
 
-    def _time(self, function: str, passes: list[list[int]]) -> list[float]:
+    def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
         return time_passes(self.target, self.kv, function, passes, self.config.prefill_chunk_size)
 
     # ---- requests -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from ..model import Model
 from ..request import Sequence
 from ..sampling import probs_for, sample_from_probs
 from ..speculation import DraftCosts
-from ..speculation.warm_up import spread, time_passes
+from ..speculation.warm_up import record, spread, time_passes
 from .base import Proposal, Proposer
 
 
@@ -40,13 +40,11 @@ class DraftModelProposer(Proposer):
         """First passes of 1..2 x max_rows tokens (a pending token, maybe a backfill, per row)
         and further passes of 1..max_rows rows."""
         firsts = [spread(n, 2) for n in range(1, 2 * max_rows + 1)]
-        for lengths, s in zip(firsts, self._time("prefill", firsts), strict=True):
-            self.costs.first.observe(sum(lengths), s)
+        record(self.costs.first, map(sum, firsts), self._time("prefill", firsts))
         nexts = [[1] * rows for rows in range(1, max_rows + 1)]
-        for rows, s in zip(range(1, max_rows + 1), self._time("decode", nexts), strict=True):
-            self.costs.next.observe(rows, s)
+        record(self.costs.next, map(len, nexts), self._time("decode", nexts))
 
-    def _time(self, function: str, passes: list[list[int]]) -> list[float]:
+    def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
         return time_passes(self.model, self.kv, function, passes, self.chunk_size)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:

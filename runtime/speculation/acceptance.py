@@ -13,8 +13,9 @@ gets tried again once it may pay.
 
 from __future__ import annotations
 
-# A sequence's own counts fade by this factor per step: half-life ~6.6 steps.
-SEQUENCE_DECAY = 0.9
+# A sequence's own counts fade by this factor per step: half-life ~3 steps, so after a long run of
+# fully accepted drafts a string of rejections brings the estimate below 0.5 within ~10 steps.
+SEQUENCE_DECAY = 0.8
 # The engine-wide counts fade more slowly: half-life ~140 steps.
 ENGINE_DECAY = 0.995
 # The engine-wide prior counts as this many draft tokens against a sequence's own evidence.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from ..kv_cache import PagedKVCache
 from ..model import Model
 from ..params import SamplingParams
 from ..sampling import probs_for, sample_from_probs
+from .costs import CostTable
 
 # Tokens each throwaway sequence holds before the timed passes: attention over a short prompt.
 CONTEXT_TOKENS = 32
@@ -23,22 +24,32 @@ def time_passes(
     function: str,
     passes: Sequence[Sequence[int]],
     chunk_size: int,
-) -> list[float]:
+) -> list[float | None]:
     """Seconds of each pass of ``model.<function>`` (``decode``, ``prefill`` or
     ``evaluate_multi_query``) plus sampling from its logits, as a real step pays; ``passes[i]``
-    lists the new tokens of each row. Runs on throwaway sequences in an empty cache, which hold
-    ``CONTEXT_TOKENS`` each and are removed afterwards."""
+    lists the new tokens of each row. Runs on throwaway sequences in the empty cache, holding
+    ``CONTEXT_TOKENS`` each where the cache has room, removed afterwards; a pass the cache cannot
+    hold is not run (``None``)."""
     ids = list(range(max(len(p) for p in passes)))
+
+    def fits(context: int, lengths: Sequence[int]) -> bool:
+        need = sum(-(-(context + n) // kv.page_size) for n in lengths)
+        return need <= kv.available_pages()
+
+    widest = [max(p[i] if i < len(p) else 0 for p in passes) for i in ids]
+    context = CONTEXT_TOKENS if fits(CONTEXT_TOKENS, widest) else 0
     rng = np.random.default_rng(0)
     for seq_id in ids:
         kv.add_sequence(seq_id)
     try:
-        context = [
-            [(seq_id * 31 + j) % model.vocab_size for j in range(CONTEXT_TOKENS)] for seq_id in ids
-        ]
-        model.prefill_chunked(kv, ids, context, chunk_size)
-        seconds = []
+        if context:
+            tokens = [[(i * 31 + j) % model.vocab_size for j in range(context)] for i in ids]
+            model.prefill_chunked(kv, ids, tokens, chunk_size)
+        seconds: list[float | None] = []
         for lengths in [passes[0], *passes]:  # the first, untimed: first-call costs
+            if not fits(0, lengths):
+                seconds.append(None)
+                continue
             rows = ids[: len(lengths)]
             start = time.perf_counter()
             if function == "decode":
@@ -61,3 +72,10 @@ def spread(tokens: int, max_per_row: int) -> list[int]:
     rows = -(-tokens // max_per_row)
     base, extra = divmod(tokens, rows)
     return [base + 1] * extra + [base] * (rows - extra)
+
+
+def record(table: CostTable, sizes: Iterable[int], seconds: Iterable[float | None]) -> None:
+    """Enter the measured passes into ``table`` (those that did not run are left out)."""
+    for size, s in zip(sizes, seconds, strict=True):
+        if s is not None:
+            table.observe(size, s)
