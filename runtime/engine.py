@@ -263,7 +263,8 @@ class Engine:
     def _plan(self) -> StepPlan:
         """The sequences to advance and their draft counts. The newest requests are preempted
         until a step at every sequence's draft cap fits in the free pages; then the policy
-        chooses each count up to its cap."""
+        chooses each count up to its cap, or up to what the proposer has (prompt lookup may
+        find fewer drafts, or none)."""
         while True:
             seqs = [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
             caps = [self._draft_cap(s) for s in seqs]
@@ -275,13 +276,13 @@ class Engine:
             return StepPlan(seqs, [0] * len(seqs), [], None)
         batch = []
         for seq, cap in zip(seqs, caps, strict=True):
-            pinned = self._pinned_k(seq.params)
+            most = self.proposer.available(seq, cap) if cap else 0
             batch.append(
                 Candidate(
-                    cap=cap,
-                    pinned=None if pinned is None else cap,
+                    cap=most,
+                    pinned=None if self._pinned_k(seq.params) is None else most,
                     acceptance=self.acceptance.estimate(seq.seq_id),
-                    catch_up=self.proposer.catch_up(seq) if cap else 0,
+                    catch_up=self.proposer.catch_up(seq) if most else 0,
                 )
             )
         decision = self.policy.choose(batch, self.costs)

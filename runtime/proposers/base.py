@@ -37,6 +37,11 @@ class Proposer(abc.ABC):
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence."""
 
+    def available(self, seq: Sequence, k: int) -> int:
+        """How many of ``k`` drafts ``seq`` would get now (a model always drafts k); lets the
+        policy plan with what a free proposer has to offer."""
+        return k
+
     def catch_up(self, seq: Sequence) -> int:
         """Tokens a draft model reads for ``seq`` before drafting (none without a model)."""
         return 0

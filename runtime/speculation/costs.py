@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 # Weight of a new measurement in a running mean: a change of load shows within ~5 steps, one
@@ -66,15 +67,12 @@ class CostTable:
 @dataclasses.dataclass
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
-    pass, and ``drafting[j]``, how many sequences draft a (j+1)-th token."""
+    pass, and ``drafting[j]``, how many sequences draft a (j+1)-th token (``drafts`` in all)."""
 
     rows: int
     catch_up: int = 0
     drafting: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def drafts(self) -> int:
-        return sum(self.drafting)
+    drafts: int = 0
 
     def add_draft(self, k_before: int, catch_up: int) -> None:
         """One more draft for a sequence that had ``k_before``."""
@@ -83,6 +81,7 @@ class StepShape:
         if k_before == len(self.drafting):
             self.drafting.append(0)
         self.drafting[k_before] += 1
+        self.drafts += 1
 
     @classmethod
     def of(cls, num_draft: Sequence[int], catch_up: Sequence[int]) -> StepShape:
@@ -110,9 +109,16 @@ class DraftCosts:
         seconds = shape.drafting[0] * (self.per_sequence.value or 0.0)
         if not self.model:
             return seconds
-        passes = [self.first.predict(shape.catch_up)]
-        passes += [self.next.predict(rows) for rows in shape.drafting[1:]]
-        return None if None in passes else seconds + sum(passes)
+        first = self.first.predict(shape.catch_up)
+        if first is None:
+            return None
+        seconds += first
+        for rows in itertools.islice(shape.drafting, 1, None):
+            passed = self.next.predict(rows)
+            if passed is None:
+                return None
+            seconds += passed
+        return seconds
 
 
 @dataclasses.dataclass
