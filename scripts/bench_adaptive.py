@@ -5,13 +5,14 @@ switched off by every request.
 SmolLM2-135M-Instruct (float32, CPU) serves a mixed workload -- HumanEval code prompts, raw, and
 ShareGPT opening turns in the chat template, alternating -- to a closed loop of C clients: each
 client sends its next request as soon as its previous one finishes. Proposers: prompt lookup
-(n-gram) and a draft model, SmolLM2's own first layers (``--draft-layers``). All engines share one
+(n-gram) and a draft model: SmolLM2 itself by default (every draft accepted, each costing a
+target step), or its first ``--draft-layers`` layers. All engines share one
 loaded target (and draft) and run in one process, config after config for each concurrency, so
 the ratios compare like with like even where the machine's load drifts. Greedy decoding, so every
 config must produce the no-speculation tokens; the script checks it.
 
-    python scripts/bench_adaptive.py [--concurrency 1 2 4 8] [--max-tokens 32]
-        [--requests-per-client 2] [--draft-layers 12] [--write docs/benchmarks.md]
+    python scripts/bench_adaptive.py [--concurrency 1 2 4 8] [--fixed-k 1 2 3 4 5 6]
+        [--max-tokens 32] [--requests-per-client 2] [--draft-layers N] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ SECTION = "bench_adaptive"
 PLOT = "bench_adaptive.png"
 MODEL = "smollm2-135m-instruct"
 MAX_K = 6
-FIXED_KS = range(1, MAX_K + 1)
 _ids = itertools.count()
 
 
@@ -63,10 +63,10 @@ class Config:
         return self.name
 
 
-def configs(methods: list[str]) -> list[Config]:
+def configs(methods: list[str], fixed_ks: list[int]) -> list[Config]:
     out = [Config("no speculation", None)]
     for method in methods:
-        out += [Config(f"{method} k={k}", method, k) for k in FIXED_KS]
+        out += [Config(f"{method} k={k}", method, k) for k in fixed_ks]
         out.append(Config(f"{method} auto", method, "auto"))
         out.append(Config(f"{method} configured, k=0", method, "auto", request_k=0))
     return out
@@ -122,12 +122,16 @@ def closed_loop(
     return run
 
 
-def artifacts(root: Path, draft_layers: int) -> tuple[Path, Path]:
-    """SmolLM2 and its first ``draft_layers`` layers, compiled once into ``root``."""
+def artifacts(root: Path, draft_layers: int | None) -> tuple[Path, Path]:
+    """SmolLM2 and its draft (itself, or its first ``draft_layers`` layers), compiled once into
+    ``root``."""
     gguf = fetch(MODEL)
-    target, draft = root / f"{MODEL}-llvm", root / f"{MODEL}-{draft_layers}-layers-llvm"
+    target = root / f"{MODEL}-llvm"
     if not target.exists():
         compile_model(gguf, "llvm", target, show_progress=False)
+    if draft_layers is None:
+        return target, target
+    draft = root / f"{MODEL}-{draft_layers}-layers-llvm"
     if not draft.exists():
         compile_model(gguf, "llvm", draft, show_progress=False, num_layers=draft_layers)
     return target, draft
@@ -170,7 +174,12 @@ def report(
         f"{args.requests_per_client} requests per client; prompts alternate HumanEval (raw) and "
         f"ShareGPT opening turns (chat template); greedy, exactly {args.max_tokens} output "
         f"tokens per request (EOS ignored). N-gram: prompt lookup, n-grams of 1-3 tokens. "
-        f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. Engines share the loaded "
+        + (
+            "Draft: SmolLM2 itself (every draft is accepted, each costs a target decode step). "
+            if args.draft_layers is None
+            else f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. "
+        )
+        + f"Engines share the loaded "
         f"models, batch up to {max(concurrencies)} sequences, max_speculative_tokens {MAX_K}. "
         "Output tok/s: output tokens of all requests over the run's wall time (prefill "
         "included). TPOT: per request, (last token time - first token time) / (tokens - 1); "
@@ -192,7 +201,7 @@ def report(
             )
         lines.append(f"| {cfg.label} | " + " | ".join(cells) + " |")
     lines += ["", *acceptance_table(results, cfgs, concurrencies), ""]
-    lines += goals(results, concurrencies, methods)
+    lines += goals(results, concurrencies, methods, args.fixed_k)
     lines += [
         f"- Lossless: **NO**, different tokens from {', '.join(lossless)}"
         if lossless
@@ -230,14 +239,17 @@ def acceptance_table(
 
 
 def goals(
-    results: dict[tuple[str, int], Run], concurrencies: list[int], methods: list[str]
+    results: dict[tuple[str, int], Run],
+    concurrencies: list[int],
+    methods: list[str],
+    fixed_ks: list[int],
 ) -> list[str]:
     lines = []
     for method in methods:
         for c in concurrencies:
             tps = {name: r.tokens_per_s for (name, cc), r in results.items() if cc == c}
             none, auto = tps["no speculation"], tps[f"{method} auto"]
-            best_k = max(FIXED_KS, key=lambda k: tps[f"{method} k={k}"])
+            best_k = max(fixed_ks, key=lambda k: tps[f"{method} k={k}"])
             best = tps[f"{method} k={best_k}"]
             off = tps[f"{method} configured, k=0"]
             checks = [
@@ -268,13 +280,15 @@ def cost_table(
             + ":",
             "",
             "| rows | decode ms | "
-            + " | ".join(f"verify k={k}" for k in FIXED_KS)
+            + " | ".join(f"verify k={k}" for k in range(1, MAX_K + 1))
             + (" | draft first pass ms | draft next pass ms |" if method == "draft" else " |"),
-            "|---:|---:|" + "---:|" * len(FIXED_KS) + ("---:|---:|" if method == "draft" else ""),
+            "|---:|---:|" + "---:|" * MAX_K + ("---:|---:|" if method == "draft" else ""),
         ]
         for rows in concurrencies:
             decode = costs.decode.predict(rows)
-            cells = [f"{costs.verify.predict(rows * (k + 1)) / decode:.2f}x" for k in FIXED_KS]
+            cells = [
+                f"{costs.verify.predict(rows * (k + 1)) / decode:.2f}x" for k in range(1, MAX_K + 1)
+            ]
             row = f"| {rows} | {1e3 * decode:.1f} | " + " | ".join(cells)
             if method == "draft":
                 row += (
@@ -330,7 +344,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--draft-layers", type=int, default=12)
+    parser.add_argument("--fixed-k", type=int, nargs="+", default=list(range(1, MAX_K + 1)))
+    parser.add_argument(
+        "--draft-layers", type=int, help="draft: SmolLM2's first N layers (default: all of it)"
+    )
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
     parser.add_argument(
         "--artifacts", type=Path, default=default_cache_dir() / "artifacts" / "bench-adaptive"
@@ -340,17 +357,17 @@ def main() -> None:
     load = os.getloadavg()[0]  # before we add our own
 
     target_dir, draft_dir = artifacts(args.artifacts, args.draft_layers)
-    target, draft = Model(target_dir), Model(draft_dir)
+    target = Model(target_dir)
+    draft = target if draft_dir == target_dir else Model(draft_dir)
     tokenizer = Tokenizer(target_dir)
     most = max(args.concurrency) * args.requests_per_client
-    code = humaneval_prompts(-(-most // 2))
+    code = [tokenizer.encode(p) for p in humaneval_prompts(-(-most // 2))]
     prose = [
         tokenizer.apply_chat_template([{"role": "user", "content": t}])
         for t in sharegpt_turns(most // 2)
     ]
-    mixed = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
-    prompts = [tokenizer.encode(p) for p in mixed]
-    cfgs = configs(args.methods)
+    prompts = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
+    cfgs = configs(args.methods, args.fixed_k)
     batch = max(args.concurrency)
     engines = {}
     for cfg in cfgs:

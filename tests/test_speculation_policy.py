@@ -124,6 +124,8 @@ def test_prediction_adds_target_draft_and_rest():
     expected = 0.040 + (0.005 + 0.003 + 0.002 + 2 * 0.0001) + 2 * 0.001
     assert step.predict(shape) == pytest.approx(expected)
     assert step.predict(StepShape.of([0, 0], [2, 1])) == pytest.approx(0.020 + 2 * 0.001)
+    # A long catch-up (a prompt the draft has not read) is charged as a steady one.
+    assert StepShape.of([3, 2], [150, 1]).catch_up == 3
 
 
 def test_cost_table_is_a_measured_step_function():

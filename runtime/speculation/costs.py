@@ -64,10 +64,18 @@ class CostTable:
         return {size: self._mean[size].value for size in self._sizes}
 
 
+# Tokens a draft model's first pass reads per sequence in steady state: the pending token, and
+# after a bonus token the last draft as well. More is a one-time catch-up (the prompt, or tokens
+# made while the sequence did not draft) that serves every later step; charging it all to one
+# step would keep a step-by-step policy from ever starting to draft after a long prompt.
+STEADY_CATCH_UP = 2
+
+
 @dataclasses.dataclass
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
-    pass, and ``drafting[j]``, how many sequences draft a (j+1)-th token (``drafts`` in all)."""
+    pass (at most ``STEADY_CATCH_UP`` per sequence), and ``drafting[j]``, how many sequences
+    draft a (j+1)-th token (``drafts`` in all)."""
 
     rows: int
     catch_up: int = 0
@@ -77,7 +85,7 @@ class StepShape:
     def add_draft(self, k_before: int, catch_up: int) -> None:
         """One more draft for a sequence that had ``k_before``."""
         if k_before == 0:
-            self.catch_up += catch_up
+            self.catch_up += min(catch_up, STEADY_CATCH_UP)
         if k_before == len(self.drafting):
             self.drafting.append(0)
         self.drafting[k_before] += 1
