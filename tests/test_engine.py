@@ -3,6 +3,8 @@ stops inside an accepted run, chunked prefill, streaming, chat, bad input, no le
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from tiny_models import VOCAB
@@ -71,17 +73,22 @@ def test_parallel_samples_share_the_prompt(tiny_llama):
     _no_leak(llm)
 
 
-def test_same_seed_same_output(tiny_llama, tiny_llama_draft):
-    llm = LLM(tiny_llama.artifact, draft_model=tiny_llama_draft.artifact)
-    params = SamplingParams(max_tokens=20, seed=7, top_p=0.9, ignore_eos=True)
-    first = _ids(llm.generate(PROMPTS, params))
-    # Same seed, different batch company: the output depends on the seed alone.
-    again = _ids(llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], params))
-    assert [again[1], again[2], again[0]] == first
-    other = _ids(
-        llm.generate(PROMPTS, SamplingParams(max_tokens=20, seed=8, top_p=0.9, ignore_eos=True))
+def test_pinned_k_and_seed_give_the_same_output(tiny_llama, tiny_llama_draft):
+    """A request that pins its k and a seed gets the same tokens in every run, whatever shares
+    its batch (here automatic-k requests) and in another engine."""
+    llm = LLM(tiny_llama.artifact, draft_model=tiny_llama_draft.artifact)  # automatic k
+    params = SamplingParams(
+        max_tokens=20, seed=7, top_p=0.9, ignore_eos=True, num_speculative_tokens=3
     )
-    assert other != first
+    first = _ids(llm.generate(PROMPTS, params))
+    company = SamplingParams(max_tokens=20, seed=1, ignore_eos=True)
+    again = _ids(llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [params, company, params]))
+    assert [again[2], again[0]] == [first[1], first[2]]
+    fresh = LLM(tiny_llama.artifact, draft_model=tiny_llama_draft.artifact)
+    assert _ids(fresh.generate(PROMPTS[1], params)) == [first[1]]
+    other = dataclasses.replace(params, seed=8)
+    assert _ids(llm.generate(PROMPTS, other)) != first
+    _no_leak(llm)
 
 
 def test_stops_inside_an_accepted_run(tiny_llama):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyModel
+from policies import RandomK
 from stats import chi2_rejects
 from tiny_models import make_tiny_model, perturbed_copy, tiny_config
 
@@ -51,11 +52,22 @@ def exact_joint(hf: torch.nn.Module, params: SamplingParams) -> np.ndarray:
     return p1[:, None, None] * p2[:, :, None] * p3.reshape(V, V, V)
 
 
-def sample_counts(llm: LLM, params: dict) -> np.ndarray:
+def sample_counts(llm: LLM, params: dict, num_speculative_tokens: list | None = None) -> np.ndarray:
+    """Counts of the 3-token continuations of ``SAMPLES`` seeded samples; request i sets
+    ``num_speculative_tokens[i]`` when given."""
     per_request = 60
+    num_requests = SAMPLES // per_request
+    ks = num_speculative_tokens or [None] * num_requests
     requests = [
-        SamplingParams(max_tokens=3, ignore_eos=True, n=per_request, seed=seed, **params)
-        for seed in range(SAMPLES // per_request)
+        SamplingParams(
+            max_tokens=3,
+            ignore_eos=True,
+            n=per_request,
+            seed=seed,
+            num_speculative_tokens=ks[seed],
+            **params,
+        )
+        for seed in range(num_requests)
     ]
     counts = np.zeros((V, V, V), dtype=np.int64)
     for out in llm.generate([PROMPT] * len(requests), requests):
@@ -84,6 +96,28 @@ def test_speculative_sampling_matches_target_distribution(pair, method, name):
     assert not chi2_rejects(counts.ravel(), joint.ravel())
     stats = llm.metrics()
     assert 0.05 < stats["acceptance_rate"] < 0.95, stats  # both accept and reject happened
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampling_is_exact_under_random_k(pair, method):
+    """k drawn at random per step and sequence (automatic requests), or fixed per request (off,
+    1 or 2): the joint law is still the target's."""
+    target, draft = pair
+    llm = LLM(
+        target.artifact,
+        draft_model=draft.artifact if method == "draft" else None,
+        speculative={"method": method, "num_speculative_tokens": "auto"},
+        max_batch_size=64,
+    )
+    llm.engine.policy = RandomK(seed=2)
+    rng = np.random.default_rng(4)
+    ks = [[None, 0, 1, 2][i] for i in rng.integers(0, 4, SAMPLES // 60)]
+    counts = sample_counts(llm, PARAMS["temperature 1"], ks)
+    joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS["temperature 1"]))
+    assert not chi2_rejects(counts.ravel(), joint.ravel())
+    chosen = llm.metrics()["speculation"]["sequence_steps_by_k"]
+    assert chosen[0] > 0 and chosen[1] > 0  # both paths, mixed within steps
+    assert 0.05 < llm.metrics()["acceptance_rate"] < 0.95
 
 
 def test_target_only_sampling_matches_exact_distribution(pair):

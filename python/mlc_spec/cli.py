@@ -56,7 +56,10 @@ def _generate(args: argparse.Namespace) -> None:
     model = args.model or _default_artifact()
     llm = LLM(model, draft_model=args.draft_model, speculative=_speculative(args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        num_speculative_tokens=args.speculative_tokens,
     )
     prompt = args.prompt
     if args.chat:
@@ -100,14 +103,38 @@ def _serve(args: argparse.Namespace) -> None:
 def _speculative(args: argparse.Namespace) -> dict | None:
     if args.speculative == "none":
         return None
-    return {"method": args.speculative, "num_speculative_tokens": args.k}
+    spec = {"method": args.speculative, "num_speculative_tokens": args.k}
+    if args.max_speculative_tokens is not None:
+        spec["max_speculative_tokens"] = args.max_speculative_tokens
+    return spec
+
+
+def _draft_count(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number, got {value!r}") from None
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
     p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
     p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="ngram")
-    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument(
+        "-k",
+        type=_draft_count,
+        default="auto",
+        help="draft tokens per step for requests that do not set their own: 'auto' (chosen per "
+        "request and step from measured goodput) or a number (0: off)",
+    )
+    p.add_argument(
+        "--max-speculative-tokens",
+        type=int,
+        default=None,
+        help="most draft tokens any request gets per step (default: max(k, 6))",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="this request's draft tokens per step: 0 turns speculation off, k pins it (capped "
+        "by --max-speculative-tokens); default: the engine's -k",
+    )
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

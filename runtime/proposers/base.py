@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from ..request import Sequence
+from ..speculation import DraftCosts
 
 
 @dataclasses.dataclass
@@ -20,9 +21,13 @@ class Proposal:
 
 
 class Proposer(abc.ABC):
+    """A proposer measures its own costs into ``costs`` as it runs, for the speculation policy."""
+
+    costs: DraftCosts
+
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        """Guess up to ``num_tokens[i]`` tokens following ``seqs[i].tokens``."""
+        """Guess up to ``num_tokens[i]`` (>= 1) tokens following ``seqs[i].tokens``."""
 
     @abc.abstractmethod
     def on_verified(self, seqs: list[Sequence], proposed: list[int], accepted: list[int]) -> None:
@@ -31,3 +36,16 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence."""
+
+    def available(self, seq: Sequence, k: int) -> int:
+        """How many of ``k`` drafts ``seq`` would get now (a model always drafts k); lets the
+        policy plan with what a free proposer has to offer."""
+        return k
+
+    def catch_up(self, seq: Sequence) -> int:
+        """Tokens a draft model reads for ``seq`` before drafting (none without a model)."""
+        return 0
+
+    @abc.abstractmethod
+    def warm_up(self, max_rows: int) -> None:
+        """Measure ``costs`` for batches of up to ``max_rows`` before the first request."""

@@ -2,40 +2,60 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from ..kv_cache import PagedKVCache
 from ..model import Model
 from ..request import Sequence
 from ..sampling import probs_for, sample_from_probs
+from ..speculation import DraftCosts
+from ..speculation.warm_up import record, spread, time_passes
 from .base import Proposal, Proposer
 
 
 class DraftModelProposer(Proposer):
-    """Each step first feeds the draft what it has not seen -- the whole prompt the first time,
-    else the pending token, plus after a bonus token the last draft token whose KV the draft
-    never computed (backfill) -- in one ragged prefill, then decodes k-1 more tokens, batched.
+    """Each step first feeds the draft what it has not seen -- the whole prompt the first time
+    (or after the sequence skipped speculation for a while), else the pending token, plus after a
+    bonus token the last draft token whose KV the draft never computed (backfill) -- in one ragged
+    prefill, then decodes k-1 more tokens, batched.
 
     Drafts are sampled with each request's own temperature/top-k/top-p, the same processing the
     target's distribution gets, as lossless rejection sampling requires.
     """
 
-    def __init__(self, model: Model, kv: PagedKVCache, chunk_size: int):
-        self.model, self.kv, self.chunk_size = model, kv, chunk_size
+    def __init__(
+        self, model: Model, max_batch_size: int, max_total_len: int, prefill_chunk_size: int
+    ):
+        self.model, self.chunk_size = model, prefill_chunk_size
+        self.kv = model.create_kv_cache(max_batch_size, max_total_len, prefill_chunk_size)
+        self.costs = DraftCosts(model=True)
         self._known: set[int] = set()
 
+    def catch_up(self, seq: Sequence) -> int:
+        seen = self.kv.sequence_length(seq.seq_id) if seq.seq_id in self._known else 0
+        return len(seq.tokens) - seen
+
+    def warm_up(self, max_rows: int) -> None:
+        """First passes of 1..2 x max_rows tokens (a pending token, maybe a backfill, per row)
+        and further passes of 1..max_rows rows."""
+        firsts = [spread(n, 2) for n in range(1, 2 * max_rows + 1)]
+        record(self.costs.first, map(sum, firsts), self._time("prefill", firsts))
+        nexts = [[1] * rows for rows in range(1, max_rows + 1)]
+        record(self.costs.next, map(len, nexts), self._time("decode", nexts))
+
+    def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
+        return time_passes(self.model, self.kv, function, passes, self.chunk_size)
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        start = time.perf_counter()
         for seq in seqs:
             if seq.seq_id not in self._known:
                 self.kv.add_sequence(seq.seq_id)
                 self._known.add(seq.seq_id)
         ids = [s.seq_id for s in seqs]
-        logits = self.model.prefill_chunked(
-            self.kv,
-            ids,
-            [s.tokens[self.kv.sequence_length(s.seq_id) :] for s in seqs],
-            self.chunk_size,
-        )
+        feeds = [s.tokens[self.kv.sequence_length(s.seq_id) :] for s in seqs]
+        logits = self.model.prefill_chunked(self.kv, ids, feeds, self.chunk_size)
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[np.ndarray]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
@@ -45,9 +65,15 @@ class DraftModelProposer(Proposer):
             for row, (i, tok) in enumerate(zip(active, sample_from_probs(p, u), strict=True)):
                 tokens[i].append(int(tok))
                 probs[i].append(p[row])
+            now = time.perf_counter()
+            if len(tokens[active[0]]) == 1:
+                self.costs.first.observe(sum(map(len, feeds)), now - start)
+            else:
+                self.costs.next.observe(len(active), now - start)
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
             if not active:
                 break
+            start = now
             logits = self.model.decode(
                 self.kv, [ids[i] for i in active], [tokens[i][-1] for i in active]
             )

@@ -1,0 +1,50 @@
+"""Building the proposer a speculative config asks for: the one place that knows which
+configuration needs which draft source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlc_spec.errors import UserError
+
+from ..model import Model
+from ..params import EngineConfig, SpeculativeConfig
+from ..tokenizer import Tokenizer
+from .base import Proposer
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+
+
+def build_proposer(
+    spec: SpeculativeConfig | None,
+    draft_model: str | Path | None,
+    target: Model,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+) -> Proposer | None:
+    """The proposer for ``spec`` (none without speculation); a draft model is loaded and
+    checked against the target's vocabulary."""
+    if spec is not None and (spec.method == "draft") != (draft_model is not None):
+        raise UserError("speculative method 'draft' needs draft_model, and only it uses one")
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    draft = Model(draft_model)
+    _check_same_vocabulary(draft, Tokenizer(draft_model), target, tokenizer)
+    return DraftModelProposer(
+        draft, config.max_batch_size, config.max_total_len, config.prefill_chunk_size
+    )
+
+
+def _check_same_vocabulary(
+    draft: Model, draft_tokenizer: Tokenizer, target: Model, tokenizer: Tokenizer
+) -> None:
+    """Rejection sampling compares distributions over one vocabulary, token for token."""
+    if draft.vocab_size != target.vocab_size:
+        raise UserError(
+            f"draft model vocabulary ({draft.vocab_size}) differs from the target's "
+            f"({target.vocab_size})"
+        )
+    if draft_tokenizer.vocab != tokenizer.vocab:
+        raise UserError("draft model tokenizer differs from the target's tokenizer")

@@ -1,0 +1,19 @@
+"""Adaptive speculation: how many drafts each sequence gets per step, from measured step costs
+and estimated acceptance."""
+
+from .acceptance import AcceptanceEstimator
+from .costs import CostTable, DraftCosts, RunningMean, StepCosts, StepShape
+from .policy import Candidate, Decision, GoodputPolicy, expected_tokens
+
+__all__ = [
+    "AcceptanceEstimator",
+    "Candidate",
+    "CostTable",
+    "Decision",
+    "DraftCosts",
+    "GoodputPolicy",
+    "RunningMean",
+    "StepCosts",
+    "StepShape",
+    "expected_tokens",
+]

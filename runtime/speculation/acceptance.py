@@ -1,0 +1,78 @@
+"""How likely each sequence's next draft token is to be accepted.
+
+The model is geometric: each draft token is accepted with probability alpha, given the ones before
+it were, so k drafts yield (1 - alpha^(k+1)) / (1 - alpha) tokens. A step that accepted ``a`` of
+``k`` drafts saw ``a`` acceptances and, if ``a < k``, one rejection.
+
+Per sequence, alpha is the engine-wide rate (pooled over the per-position counts) used as a prior
+worth ``PRIOR_WEIGHT`` draft tokens, updated by the sequence's own counts. Every count fades each
+step, so an estimate follows a text that changes character, and without fresh evidence it drifts
+back to the prior, and the prior back to ``INITIAL_ACCEPTANCE``: speculation that was switched off
+gets tried again once it may pay.
+"""
+
+from __future__ import annotations
+
+# A sequence's own counts fade by this factor per step: half-life ~3 steps, so after a long run of
+# fully accepted drafts a string of rejections brings the estimate below 0.5 within ~10 steps.
+SEQUENCE_DECAY = 0.8
+# The engine-wide counts fade more slowly: half-life ~140 steps.
+ENGINE_DECAY = 0.995
+# The engine-wide prior counts as this many draft tokens against a sequence's own evidence.
+PRIOR_WEIGHT = 2.0
+# Before any evidence: optimistic, so that speculation is tried and its acceptance measured.
+INITIAL_ACCEPTANCE = 0.7
+
+
+class AcceptanceEstimator:
+    def __init__(self) -> None:
+        self.tested: list[float] = []  # [j]: draft tokens at position j that were checked
+        self.accepted: list[float] = []  # [j]: ... and accepted
+        self._own: dict[int, list[float]] = {}  # seq_id -> [accepted, rejected], fading
+
+    def prior(self) -> float:
+        """Engine-wide acceptance, pooled over positions, pulled towards the initial guess."""
+        return (sum(self.accepted) + PRIOR_WEIGHT * INITIAL_ACCEPTANCE) / (
+            sum(self.tested) + PRIOR_WEIGHT
+        )
+
+    def estimate(self, seq_id: int) -> float:
+        accepted, rejected = self._own.get(seq_id, (0.0, 0.0))
+        return (accepted + PRIOR_WEIGHT * self.prior()) / (accepted + rejected + PRIOR_WEIGHT)
+
+    def per_position(self) -> list[float]:
+        """Engine-wide acceptance of position j given positions before it were accepted."""
+        return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tested, strict=True)]
+
+    def fade(self, seq_ids: list[int]) -> None:
+        """One step passed for these sequences (whether they drafted or not)."""
+        self.tested = [t * ENGINE_DECAY for t in self.tested]
+        self.accepted = [a * ENGINE_DECAY for a in self.accepted]
+        for seq_id in seq_ids:
+            own = self._own.get(seq_id)
+            if own is not None:
+                own[0] *= SEQUENCE_DECAY
+                own[1] *= SEQUENCE_DECAY
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        checked = min(accepted + 1, proposed)  # positions up to and including the first reject
+        missing = checked - len(self.tested)
+        if missing > 0:
+            self.tested += [0.0] * missing
+            self.accepted += [0.0] * missing
+        for j in range(checked):
+            self.tested[j] += 1
+        for j in range(accepted):
+            self.accepted[j] += 1
+        own = self._own.setdefault(seq_id, [0.0, 0.0])
+        own[0] += accepted
+        own[1] += accepted < proposed
+
+    def forget(self, seq_id: int) -> None:
+        self._own.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        """Sequences with a history of their own."""
+        return len(self._own)

@@ -1,0 +1,161 @@
+"""Step-time models measured in this process, never assumed.
+
+A CPU forward pass costs a step function of its token count (the matmul picks row tiles of 1, 2,
+3 or 6, then a packed GEMM), so every size keeps a measured running mean of its own rather than a
+fitted line. Tables start from a warm-up at load time and follow every real step after that, so
+they track the load of the machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+# Weight of a new measurement in a running mean: a change of load shows within ~5 steps, one
+# noisy step moves an estimate by a fifth of its error.
+NEW_WEIGHT = 0.2
+
+
+class RunningMean:
+    """An exponential running mean; ``None`` until the first measurement."""
+
+    def __init__(self, value: float | None = None):
+        self.value = value
+
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + NEW_WEIGHT * (x - self.value)
+
+
+class CostTable:
+    """Seconds of one pass by its size (tokens or rows).
+
+    An unmeasured size costs what the nearest measured larger size costs (a pass is never cheaper
+    than a smaller one, and padding to the next tile is the common reason for a step); past the
+    largest measured size the cost grows in proportion.
+    """
+
+    def __init__(self, seconds: dict[int, float] | None = None):
+        self._mean = {size: RunningMean(s) for size, s in (seconds or {}).items()}
+        self._sizes = sorted(self._mean)
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size not in self._mean:
+            self._mean[size] = RunningMean()
+            bisect.insort(self._sizes, size)
+        self._mean[size].observe(seconds)
+
+    def predict(self, size: int) -> float | None:
+        if size <= 0:
+            return 0.0
+        if not self._sizes:
+            return None
+        mean = self._mean.get(size)
+        if mean is not None:
+            return mean.value
+        i = bisect.bisect_left(self._sizes, size)
+        if i < len(self._sizes):
+            return self._mean[self._sizes[i]].value
+        largest = self._sizes[-1]
+        return self._mean[largest].value * size / largest
+
+    def to_dict(self) -> dict[int, float]:
+        return {size: self._mean[size].value for size in self._sizes}
+
+
+# Tokens a draft model's first pass reads per sequence in steady state: the pending token, and
+# after a bonus token the last draft as well. More is a one-time catch-up (the prompt, or tokens
+# made while the sequence did not draft) that serves every later step; charging it all to one
+# step would keep a step-by-step policy from ever starting to draft after a long prompt.
+STEADY_CATCH_UP = 2
+
+
+@dataclasses.dataclass
+class StepShape:
+    """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
+    pass (at most ``STEADY_CATCH_UP`` per sequence), and ``drafting[j]``, how many sequences
+    draft a (j+1)-th token (``drafts`` in all)."""
+
+    rows: int
+    catch_up: int = 0
+    drafting: list[int] = dataclasses.field(default_factory=list)
+    drafts: int = 0
+
+    def add_draft(self, k_before: int, catch_up: int) -> None:
+        """One more draft for a sequence that had ``k_before``."""
+        if k_before == 0:
+            self.catch_up += min(catch_up, STEADY_CATCH_UP)
+        if k_before == len(self.drafting):
+            self.drafting.append(0)
+        self.drafting[k_before] += 1
+        self.drafts += 1
+
+    @classmethod
+    def of(cls, num_draft: Sequence[int], catch_up: Sequence[int]) -> StepShape:
+        shape = cls(len(num_draft))
+        for k, c in zip(num_draft, catch_up, strict=True):
+            for j in range(k):
+                shape.add_draft(j, c)
+        return shape
+
+
+@dataclasses.dataclass
+class DraftCosts:
+    """What proposing costs. A draft model runs a first pass over what it has not read yet (by
+    tokens) and one pass per further draft token (by rows still drafting); everything else (the
+    n-gram lookup, a model's Python and sampling glue) is a cost per drafting sequence."""
+
+    model: bool
+    first: CostTable = dataclasses.field(default_factory=CostTable)
+    next: CostTable = dataclasses.field(default_factory=CostTable)
+    per_sequence: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
+
+    def predict(self, shape: StepShape) -> float | None:
+        if not shape.drafts:
+            return 0.0
+        seconds = shape.drafting[0] * (self.per_sequence.value or 0.0)
+        if not self.model:
+            return seconds
+        first = self.first.predict(shape.catch_up)
+        if first is None:
+            return None
+        seconds += first
+        for rows in itertools.islice(shape.drafting, 1, None):
+            passed = self.next.predict(rows)
+            if passed is None:
+                return None
+            seconds += passed
+        return seconds
+
+
+@dataclasses.dataclass
+class StepCosts:
+    """Predicted seconds of a decode step: the target pass with its sampling (``decode`` by rows
+    when nothing is drafted, else ``verify`` by tokens), the proposer, and the rest of the step
+    (appending tokens, stop checks, detokenising) per row."""
+
+    decode: CostTable
+    verify: CostTable
+    draft: DraftCosts
+    per_row: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
+
+    def predict(self, shape: StepShape) -> float | None:
+        drafts = shape.drafts
+        target = (
+            self.verify.predict(shape.rows + drafts) if drafts else self.decode.predict(shape.rows)
+        )
+        draft = self.draft.predict(shape)
+        if target is None or draft is None:
+            return None
+        return target + draft + shape.rows * (self.per_row.value or 0.0)
+
+    def to_dict(self) -> dict:
+        return {
+            "decode_by_rows": self.decode.to_dict(),
+            "verify_by_tokens": self.verify.to_dict(),
+            "draft_first_pass_by_tokens": self.draft.first.to_dict(),
+            "draft_next_pass_by_rows": self.draft.next.to_dict(),
+            "propose_per_sequence": self.draft.per_sequence.value,
+            "rest_per_row": self.per_row.value,
+        }

@@ -1,0 +1,81 @@
+"""Load-time measurement of forward-pass costs, so the policy has costs from the first step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ..kv_cache import PagedKVCache
+from ..model import Model
+from ..params import SamplingParams
+from ..sampling import probs_for, sample_from_probs
+from .costs import CostTable
+
+# Tokens each throwaway sequence holds before the timed passes: attention over a short prompt.
+CONTEXT_TOKENS = 32
+_SAMPLED = SamplingParams(temperature=1.0)
+
+
+def time_passes(
+    model: Model,
+    kv: PagedKVCache,
+    function: str,
+    passes: Sequence[Sequence[int]],
+    chunk_size: int,
+) -> list[float | None]:
+    """Seconds of each pass of ``model.<function>`` (``decode``, ``prefill`` or
+    ``evaluate_multi_query``) plus sampling from its logits, as a real step pays; ``passes[i]``
+    lists the new tokens of each row. Runs on throwaway sequences in the empty cache, holding
+    ``CONTEXT_TOKENS`` each where the cache has room, removed afterwards; a pass the cache cannot
+    hold is not run (``None``)."""
+    ids = list(range(max(len(p) for p in passes)))
+
+    def fits(context: int, lengths: Sequence[int]) -> bool:
+        need = sum(-(-(context + n) // kv.page_size) for n in lengths)
+        return need <= kv.available_pages()
+
+    widest = [max(p[i] if i < len(p) else 0 for p in passes) for i in ids]
+    context = CONTEXT_TOKENS if fits(CONTEXT_TOKENS, widest) else 0
+    rng = np.random.default_rng(0)
+    for seq_id in ids:
+        kv.add_sequence(seq_id)
+    try:
+        if context:
+            tokens = [[(i * 31 + j) % model.vocab_size for j in range(context)] for i in ids]
+            model.prefill_chunked(kv, ids, tokens, chunk_size)
+        seconds: list[float | None] = []
+        for lengths in [passes[0], *passes]:  # the first, untimed: first-call costs
+            if not fits(0, lengths):
+                seconds.append(None)
+                continue
+            rows = ids[: len(lengths)]
+            start = time.perf_counter()
+            if function == "decode":
+                logits = model.decode(kv, rows, [1] * len(rows))
+            else:
+                logits = getattr(model, function)(kv, rows, [[1] * n for n in lengths])
+            probs = probs_for(logits, [_SAMPLED] * len(logits))
+            sample_from_probs(probs, rng.random(len(logits)))
+            seconds.append(time.perf_counter() - start)
+            for seq_id, n in zip(rows, lengths, strict=True):
+                kv.popn(seq_id, n)
+    finally:
+        for seq_id in ids:
+            kv.remove_sequence(seq_id)
+    return seconds[1:]
+
+
+def spread(tokens: int, max_per_row: int) -> list[int]:
+    """``tokens`` over as few rows as hold at most ``max_per_row`` each, as evenly as possible."""
+    rows = -(-tokens // max_per_row)
+    base, extra = divmod(tokens, rows)
+    return [base + 1] * extra + [base] * (rows - extra)
+
+
+def record(table: CostTable, sizes: Iterable[int], seconds: Iterable[float | None]) -> None:
+    """Enter the measured passes into ``table`` (those that did not run are left out)."""
+    for size, s in zip(sizes, seconds, strict=True):
+        if s is not None:
+            table.observe(size, s)

