@@ -9,21 +9,15 @@ from block-local buffers, so the loop runs in parallel as it is."""
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from .cpu_rule import CPURule, find_block
 
-class CPUAttention(ScheduleRule):
-    def is_target_available(self, target: Target) -> bool:
-        return target.kind.name == "llvm"
 
-    def apply(self, func, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        sch = s_tir.Schedule(func)
-        try:
-            block = sch.get_sblock("attn")
-        except Exception:  # noqa: BLE001 - no such block: not an attention kernel
+class CPUAttention(CPURule):
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        block = find_block(sch, "attn")
+        if block is None:
             return None
         loops = sch.get_loops(block)
         if not loops or sch.get(block).iter_vars:

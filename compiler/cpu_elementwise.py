@@ -5,23 +5,18 @@ Left unscheduled they run as one serial scalar loop nest (~6% of a prefill)."""
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
+
+from .cpu_rule import CPURule
 
 _LANES = 16
 
 
-class CPUElementwise(ScheduleRule):
+class CPUElementwise(CPURule):
     """Inline every producer into the last block, then run that block with its innermost
     axis vectorised (when its extent allows) and all the rest fused into one parallel loop."""
 
-    def is_target_available(self, target: Target) -> bool:
-        return target.kind.name == "llvm"
-
-    def apply(self, func, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        sch = s_tir.Schedule(func)
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         if not blocks or not all(_is_spatial(sch, b) for b in blocks):
             return None

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import IRModule, s_tir, tirx
-from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
+
+from .cpu_rule import CPURule, find_block
 
 # Row tiles of the panel GEMV, each used for m up to its size (beyond the last: that size), as
 # far as the accumulator registers hold them: verify and draft batches of up to 16 rows decode
@@ -72,22 +73,15 @@ def _weight_producers(sch: s_tir.Schedule, block) -> list:
     return [p for p in sch.get_producers(block) if sch.get(p).writes[0].source.same_as(weight)]
 
 
-class CPUMatmul(ScheduleRule):
+class CPUMatmul(CPURule):
     """Vectorised, register-blocked, multi-threaded schedule for NT matmul on ``llvm``."""
 
     def __init__(self, gemm_min_m: int = 32, gemm_tile: tuple[int, int] = (6, 64), lanes: int = 16):
         self.gemm_min_m, self.gemm_tile, self.lanes = gemm_min_m, gemm_tile, lanes
 
-    def is_target_available(self, target: Target) -> bool:
-        return target.kind.name == "llvm"
-
-    def apply(self, func, target: Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        sch = s_tir.Schedule(func)
-        try:
-            block = sch.get_sblock("NT_matmul")
-        except Exception:  # noqa: BLE001 - no such block: not ours to schedule
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        block = find_block(sch, "NT_matmul")
+        if block is None:
             return None
         loops = sch.get_loops(block)
         if len(loops) != 4 or len(sch.get_consumers(block)) > 1:
