@@ -254,11 +254,16 @@ class Engine:
         until one step of every remaining sequence fits in the free pages."""
         while True:
             seqs = [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
-            ks = [max(0, min(self.k, s.tokens_left - 1)) for s in seqs]
+            ks = [max(0, min(self._max_draft(s), s.tokens_left - 1)) for s in seqs]
             need = self.scheduler.step_pages(seqs, [k + 1 for k in ks]) + self._prefill_reserve()
             if need <= self.kv.available_pages() or len(self.scheduler.running) <= 1:
                 return seqs, ks
             self._preempt(self.scheduler.preempt_newest())
+
+    def _max_draft(self, seq: Sequence) -> int:
+        """The engine's draft length, capped by the request's own ``num_speculative_tokens``."""
+        asked = seq.params.num_speculative_tokens
+        return self.k if asked is None else min(self.k, asked)
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
