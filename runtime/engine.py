@@ -18,6 +18,7 @@ import numpy as np
 
 from mlc_spec.errors import UserError
 
+from .logprobs import token_logprobs
 from .metrics import SpecStats, Timers
 from .model import Model, chunk_rounds
 from .params import SamplingParams
@@ -194,8 +195,8 @@ class Engine:
         with self.timers("sample"):
             probs = probs_for(logits[rows], [s.params for s in seqs])
             tokens = sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, [int(token)], touched)
+        for seq, token, row in zip(seqs, tokens, rows, strict=True):
+            self._append(seq, [int(token)], logits[row : row + 1], touched)
 
     def _decode(self, touched: dict[str, Request]) -> None:
         seqs, ks = self._make_room()
@@ -235,6 +236,7 @@ class Engine:
                 np.array([u[-1] for u in uniforms]),
             )
         per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
+        row_starts = np.cumsum(num_draft + 1) - (num_draft + 1)
         for seq, k, a in zip(seqs, num_draft, accepted, strict=True):
             self.kv.popn(seq.seq_id, int(k - a))
             seq.kv_len += int(a) + 1
@@ -246,8 +248,9 @@ class Engine:
                 [int(num_draft[i]) for i in asked],
                 [int(accepted[i]) for i in asked],
             )
-        for seq, tokens in zip(seqs, per_seq, strict=True):
-            self._append(seq, [int(t) for t in tokens], touched)
+        for seq, tokens, start in zip(seqs, per_seq, row_starts, strict=True):
+            rows = logits[start : start + len(tokens)]  # the target's row at each emitted token
+            self._append(seq, [int(t) for t in tokens], rows, touched)
 
     def _make_room(self) -> tuple[list[Sequence], list[int]]:
         """The sequences to advance and their draft counts, preempting the newest requests
@@ -271,13 +274,21 @@ class Engine:
             self._free(seq)
 
     # ---- tokens, stops, outputs ---------------------------------------------------------
-    def _append(self, seq: Sequence, tokens: list[int], touched: dict[str, Request]) -> None:
+    def _append(
+        self, seq: Sequence, tokens: list[int], logits: np.ndarray, touched: dict[str, Request]
+    ) -> None:
         """Append accepted tokens one by one, honouring EOS, stop tokens, stop strings and
-        max_tokens inside the run; tokens past a stop are dropped with the sequence's KV."""
+        max_tokens inside the run; tokens past a stop are dropped with the sequence's KV.
+        ``logits[i]`` is the target's row that ``tokens[i]`` was sampled or verified from."""
         params = seq.params
         touched[seq.request.request_id] = seq.request
-        for token in tokens:
+        scored = (
+            token_logprobs(logits, tokens, params.logprobs) if params.logprobs is not None else []
+        )
+        for i, token in enumerate(tokens):
             seq.tokens.append(token)
+            if scored:
+                seq.logprobs.append(scored[i])
             stop_token = token in params.stop_token_ids or (
                 token in self.eos_ids and not params.ignore_eos
             )
@@ -325,6 +336,7 @@ class Engine:
                     seq.output_ids[seq.sent_tokens :],
                     seq.finish_reason,
                     seq.stats,
+                    seq.logprobs[seq.sent_tokens :] if seq.params.logprobs is not None else None,
                 )
             )
             seq.sent_text, seq.sent_tokens = len(text), len(seq.output_ids)
