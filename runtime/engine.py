@@ -1,5 +1,7 @@
 """The continuous-batching engine: each ``step`` prefills one chunk of newly admitted (or
 preempted) requests and advances every running sequence by one decode or speculative step.
+A step whose chunk completes a prompt ends after sampling its first token, so that token is
+reported at once; the decode step follows in the next ``step``.
 
 One speculative step, for the whole batch (read top-down):
   proposer.propose -> drafts per sequence (k_i may differ, may be 0)
@@ -35,6 +37,14 @@ class EngineConfig:
     max_batch_size: int = 8  # sequences decoded together
     max_total_len: int = 8192  # tokens the KV cache holds, all sequences together
     prefill_chunk_size: int = 512  # tokens per prefill forward pass
+
+
+@dataclasses.dataclass
+class Occupancy:
+    num_running: int  # admitted requests (prefilling or decoding)
+    num_waiting: int  # queued, or preempted and queued again
+    free_pages: int
+    capacity_pages: int
 
 
 class Engine:
@@ -115,6 +125,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def occupancy(self) -> Occupancy:
+        """Requests running and waiting, KV pages free: what a server reports as load."""
+        return Occupancy(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.kv.available_pages(),
+            self.capacity_pages,
+        )
+
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every request by one step; returns the increments of the requests that
@@ -124,8 +143,9 @@ class Engine:
             for seq in self._to_feed(request):
                 self._enter_cache(seq)
         with self.timers("prefill"):
-            self._prefill_chunk(touched)
-        self._decode(touched)
+            started = self._prefill_chunk(touched)
+        if not started:  # a first token is reported as soon as it is sampled, decode waits a step
+            self._decode(touched)
         return [self._delta(r) for r in touched.values()]
 
     def _to_feed(self, request: Request) -> list[Sequence]:
@@ -155,10 +175,11 @@ class Engine:
             pages(self._feed_end(s), page) - pages(s.kv_len, page) + 2 for s in self._prefilling()
         )
 
-    def _prefill_chunk(self, touched: dict[str, Request]) -> None:
+    def _prefill_chunk(self, touched: dict[str, Request]) -> bool:
+        """Feed one prefill chunk; True if it sampled the first token of some request."""
         seqs = self._prefilling()
         if not seqs:
-            return
+            return False
         feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]
         rows, chunks = next(chunk_rounds(feeds, self.config.prefill_chunk_size))
         fresh = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
@@ -178,6 +199,7 @@ class Engine:
         done = [(i, s) for i, (s, _) in enumerate(fresh) if s.kv_len == s.num_prompt]
         if done:
             self._first_tokens([s.request for _, s in done], logits[[i for i, _ in done]], touched)
+        return bool(done)
 
     def _first_tokens(
         self, requests: list[Request], logits: np.ndarray, touched: dict[str, Request]
