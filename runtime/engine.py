@@ -125,6 +125,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def max_sequence_len(self, n: int = 1) -> int:
+        """The longest prompt + output each of ``n`` samples may have: the model's context, or
+        less where the KV cache cannot hold that much (the bound ``add_request`` checks)."""
+        fit = (self.capacity_pages // n - 2) * self.kv.page_size - self.k - 1
+        return min(self.target.context_length, fit)
+
     def occupancy(self) -> Occupancy:
         """Requests running and waiting, KV pages free: what a server reports as load."""
         return Occupancy(
