@@ -101,6 +101,10 @@ def build_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
     async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
         return error_response(err.status_code, str(err.detail))
 
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, err: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(err).__name__}: {err}")
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -132,7 +136,7 @@ def build_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
     ) -> Response:
         if body.model != model_name:
             raise ModelNotFound(f"model '{body.model}' does not exist; this serves '{model_name}'")
-        params = body.sampling_params(context_length - len(prompt))
+        params = body.sampling_params(llm.engine.max_sequence_len(body.n) - len(prompt))
         stream = await raw.app.state.engine.add(prompt, params)
         builder = ResponseBuilder(chat, model_name, tokenizer, len(prompt), params.n)
         if body.stream:

@@ -70,10 +70,10 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, context_left: int) -> SamplingParams:
-        """``context_left``: the model's context length minus the prompt."""
+    def sampling_params(self, room: int) -> SamplingParams:
+        """``room``: tokens each sample may hold after the prompt (context or KV budget)."""
         return SamplingParams(
-            max_tokens=self._max_tokens(context_left),
+            max_tokens=self._max_tokens(room),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -87,7 +87,7 @@ class _SamplingRequest(_Request):
         )
 
     @abstractmethod
-    def _max_tokens(self, context_left: int) -> int: ...
+    def _max_tokens(self, room: int) -> int: ...
 
     @abstractmethod
     def _logprobs(self) -> int | None: ...
@@ -108,7 +108,7 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of is not supported (use n)")
         return self
 
-    def _max_tokens(self, context_left: int) -> int:
+    def _max_tokens(self, room: int) -> int:
         return self.max_tokens or 16  # OpenAI's default for completions
 
     def _logprobs(self) -> int | None:
@@ -145,9 +145,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def _max_tokens(self, context_left: int) -> int:
+    def _max_tokens(self, room: int) -> int:
         # As OpenAI and vLLM: without a limit, a chat answer may fill the context.
-        return self.max_completion_tokens or self.max_tokens or max(context_left, 1)
+        return self.max_completion_tokens or self.max_tokens or max(room, 1)
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

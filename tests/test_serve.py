@@ -314,6 +314,17 @@ def test_client_disconnect_frees_pages(server):
     assert m["mlc_spec:request_success_total{finished_reason=abort}"] == aborted + 1
 
 
+def test_client_gone_before_a_whole_response_frees_pages(server):
+    server.wait_idle()
+    aborted = server.metrics().get("mlc_spec:request_success_total{finished_reason=abort}", 0)
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    m = server.wait_idle()
+    assert m["mlc_spec:kv_cache_usage_perc"] == 0
+    assert m["mlc_spec:request_success_total{finished_reason=abort}"] == aborted + 1
+
+
 def test_overload_is_answered_503_with_retry_after(tiny_llama):
     """4x the queue bound at once: each request completes or gets 503 + Retry-After."""
     llm = LLM(tiny_llama.artifact, max_batch_size=2)
@@ -339,3 +350,16 @@ def test_overload_is_answered_503_with_retry_after(tiny_llama):
         m = served.wait_idle()
     assert outcomes.count("refused") > 0 and outcomes.count("done") >= bound
     assert m["mlc_spec:kv_cache_usage_perc"] == 0
+
+
+def test_chat_without_max_tokens_fills_at_most_the_kv_budget(tiny_llama):
+    """OpenAI's default for chat is no limit: the answer may fill what one sequence can hold,
+    here the KV budget (smaller than the context), and is not refused."""
+    llm = LLM(tiny_llama.artifact, max_total_len=160)
+    room = llm.engine.max_sequence_len()
+    with serving(llm) as served:
+        out = served.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w5 w6"}], **GREEDY
+        )
+    assert 0 < out.usage.completion_tokens <= room - out.usage.prompt_tokens
+    assert room < llm.model.context_length
