@@ -222,6 +222,8 @@ def launched_server(serve_args: list[str]) -> Iterator[str]:
                 if httpx.get(base.removesuffix("/v1") + "/health").status_code == 200:
                     break
             time.sleep(0.1)
+        else:
+            raise RuntimeError(f"the server at {base} did not answer /health within 60 s")
         yield base
     finally:
         proc.send_signal(signal.SIGINT)
