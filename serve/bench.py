@@ -135,8 +135,9 @@ async def send(client: httpx.AsyncClient, base: str, job: Job, body: dict[str, A
     except httpx.HTTPError as err:
         return Outcome(False, f"{type(err).__name__}: {err}")
     e2e = time.perf_counter() - start
-    if usage is None or ttft is None:
-        return Outcome(False, "stream ended without text or usage")
+    if usage is None:
+        return Outcome(False, "stream ended without usage")
+    ttft = e2e if ttft is None else ttft  # an empty answer (EOS first): its only chunk
     return Outcome(True, None, ttft, e2e, usage["completion_tokens"], speculation)
 
 

@@ -3,10 +3,18 @@ speculation setting, every request accounted for, and the JSON, table and plot w
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from mlc_spec.cli import main
-from mlc_spec.serve.bench import humaneval_jobs, sharegpt_jobs
+from mlc_spec.serve.bench import (
+    humaneval_jobs,
+    launched_server,
+    mixed_jobs,
+    run_level,
+    sharegpt_jobs,
+    summarize,
+)
 
 
 def test_prompt_sources():
@@ -29,3 +37,14 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
     assert results["settings"]["off"][0]["acceptance_rate"] is None
     assert "| off | 1 | 3/3 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_poisson_arrivals(tiny_llama):
+    serve_args = ["--model", str(tiny_llama.artifact), "--served-model-name", "bench"]
+    body = {"model": "bench", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with launched_server([*serve_args, "--speculative", "none"]) as base:
+        jobs = mixed_jobs("mixed", 6)
+        outcomes, seconds = asyncio.run(run_level(base, jobs, body, 2, 20.0, seed=0))
+    row = summarize(2, outcomes, seconds)
+    assert row["completed"] == 6 and row["failed"] == 0, row["errors"]
+    assert {j.endpoint for j in jobs} == {"completions", "chat/completions"}
