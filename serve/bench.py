@@ -340,7 +340,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [
         ("output tokens/s", [("output_throughput", "-", 1.0)]),
-        ("time to first token, s", [("p50_ttft", "-", 1.0), ("p99_ttft", "--", 1.0)]),
+        ("time to first token, s (log)", [("p50_ttft", "-", 1.0), ("p99_ttft", "--", 1.0)]),
         ("time per output token, ms", [("p50_tpot", "-", 1e3), ("p99_tpot", "--", 1e3)]),
     ]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -352,6 +352,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 name = label if len(series) == 1 else f"{label} {key.split('_')[0]}"
                 ax.plot(x, y, style, color=color, marker="o", label=name)
         ax.set_xscale("log", base=2)
+        if "(log)" in title:  # queueing makes TTFT span orders of magnitude
+            ax.set_yscale("log")
         levels = sorted({r["concurrency"] for rows in results["settings"].values() for r in rows})
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.minorticks_off()
