@@ -1,5 +1,7 @@
 """The continuous-batching engine: each ``step`` prefills one chunk of newly admitted (or
 preempted) requests and advances every running sequence by one decode or speculative step.
+A step whose chunk completes a prompt ends after sampling its first token, so that token is
+reported at once; the decode step follows in the next ``step``.
 
 A decode step reads as plan -> execute -> commit:
   plan     which sequences advance (the newest requests are preempted while one step of all
@@ -24,6 +26,7 @@ import numpy as np
 
 from mlc_spec.errors import UserError
 
+from .logprobs import token_logprobs
 from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
 from .model import Model, chunk_rounds
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
@@ -59,9 +62,18 @@ class StepResult:
     num_draft: np.ndarray  # drafts verified per sequence
     accepted: np.ndarray
     emitted: list[np.ndarray]  # accepted drafts + the target's token, per sequence
+    rows: list[np.ndarray]  # the target's logits row each emitted token came from, per sequence
     started: float  # perf_counter when execution began
     draft_seconds: float
     target_seconds: float  # the target's pass and sampling
+
+
+@dataclasses.dataclass
+class Occupancy:
+    num_running: int  # admitted requests (prefilling or decoding)
+    num_waiting: int  # queued, or preempted and queued again
+    free_pages: int
+    capacity_pages: int
 
 
 class Engine:
@@ -171,6 +183,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def max_sequence_len(self, n: int = 1) -> int:
+        """The longest prompt + output each of ``n`` samples may have: the model's context, or
+        less where the KV cache cannot hold that much (the bound ``add_request`` checks)."""
+        fit = (self.capacity_pages // n - SEQUENCE_PAGE_SLACK) * self.kv.page_size - self.max_k - 1
+        return min(self.target.context_length, fit)
+
+    def occupancy(self) -> Occupancy:
+        """Requests running and waiting, KV pages free: what a server reports as load."""
+        return Occupancy(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.kv.available_pages(),
+            self.capacity_pages,
+        )
+
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every request by one step; returns the increments of the requests that
@@ -180,9 +207,10 @@ class Engine:
                 self._enter_cache(seq)
         with self.timers("prefill"):
             advanced = self._prefill_chunk()
-        plan = self._plan()
-        if plan.seqs:
-            advanced += self._commit(plan, self._execute(plan))
+        if not advanced:  # a first token is reported as soon as it is sampled; decode waits
+            plan = self._plan()
+            if plan.seqs:
+                advanced = self._commit(plan, self._execute(plan))
         requests = {s.request.request_id: s.request for s in advanced}
         return [self._delta(r) for r in requests.values()]
 
@@ -255,8 +283,8 @@ class Engine:
         with self.timers("sample"):
             probs = probs_for(logits[rows], [s.params for s in seqs])
             tokens = sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
-        for seq, token in zip(seqs, tokens, strict=True):
-            self._append(seq, [int(token)])
+        for seq, token, row in zip(seqs, tokens, rows, strict=True):
+            self._append(seq, [int(token)], logits[row : row + 1])
         return seqs
 
     # ---- decode: plan -> execute -> commit ----------------------------------------------
@@ -325,27 +353,32 @@ class Engine:
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
-            accepted, emitted = self._verify(seqs, drafts, num_draft, draft_probs)
+            accepted, emitted, logits = self._verify(seqs, drafts, num_draft, draft_probs)
         else:
-            accepted, emitted = np.zeros(len(seqs), np.int64), self._decode(seqs)
+            accepted = np.zeros(len(seqs), np.int64)
+            emitted, logits = self._decode(seqs)
+        per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
+        starts = np.cumsum(num_draft + 1) - (num_draft + 1)  # each sequence's first logits row
         return StepResult(
             num_draft,
             accepted,
-            np.split(emitted, np.cumsum(accepted + 1)[:-1]),
+            per_seq,
+            [logits[a : a + len(t)] for a, t in zip(starts, per_seq, strict=True)],
             started,
             drafted - started,
             time.perf_counter() - drafted,
         )
 
-    def _decode(self, seqs: list[Sequence]) -> np.ndarray:
-        """The plain step: one token per sequence, no draft forward, no verification."""
+    def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """The plain step: one token per sequence, no draft forward, no verification;
+        ``(tokens, logits)``."""
         with self.timers("decode"):
             logits = self.target.decode(
                 self.kv, [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
             )
         with self.timers("sample"):
             probs = probs_for(logits, [s.params for s in seqs])
-            return sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
+            return sample_from_probs(probs, np.array([s.rng.random() for s in seqs])), logits
 
     def _verify(
         self,
@@ -353,9 +386,9 @@ class Engine:
         drafts: list[np.ndarray],
         num_draft: np.ndarray,
         draft_probs: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
-        ``(accepted per sequence, emitted tokens concatenated)``."""
+        ``(accepted per sequence, emitted tokens concatenated, the pass's logits)``."""
         with self.timers("verify"):
             inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
             logits = self.target.evaluate_multi_query(self.kv, [s.seq_id for s in seqs], inputs)
@@ -364,7 +397,7 @@ class Engine:
                 s.params for s, k in zip(seqs, num_draft, strict=True) for _ in range(k + 1)
             ]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
-            return rejection_sample(
+            accepted, emitted = rejection_sample(
                 np.concatenate(drafts),
                 num_draft,
                 draft_probs,
@@ -372,6 +405,7 @@ class Engine:
                 np.concatenate([u[:-1] for u in uniforms]),
                 np.array([u[-1] for u in uniforms]),
             )
+        return accepted, emitted, logits
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Apply a step's outcome; returns the sequences it advanced."""
@@ -395,8 +429,8 @@ class Engine:
             ):
                 self.acceptance.observe(seq.seq_id, int(k), int(a))
                 seq.stats.record_choice(chosen)
-        for seq, tokens in zip(seqs, result.emitted, strict=True):
-            self._append(seq, [int(t) for t in tokens])
+        for seq, tokens, rows in zip(seqs, result.emitted, result.rows, strict=True):
+            self._append(seq, [int(t) for t in tokens], rows)
         if self.proposer is not None:
             self._record_costs(plan, result, time.perf_counter() - result.started)
         return seqs
@@ -426,12 +460,18 @@ class Engine:
             self._free(seq)
 
     # ---- tokens, stops, outputs ---------------------------------------------------------
-    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logits: np.ndarray) -> None:
         """Append accepted tokens one by one, honouring EOS, stop tokens, stop strings and
-        max_tokens inside the run; tokens past a stop are dropped with the sequence's KV."""
+        max_tokens inside the run; tokens past a stop are dropped with the sequence's KV.
+        ``logits[i]`` is the target's row that ``tokens[i]`` was sampled or verified from."""
         params = seq.params
-        for token in tokens:
+        scored = (
+            token_logprobs(logits, tokens, params.logprobs) if params.logprobs is not None else []
+        )
+        for i, token in enumerate(tokens):
             seq.tokens.append(token)
+            if scored:
+                seq.logprobs.append(scored[i])
             stop_token = token in params.stop_token_ids or (
                 token in self.eos_ids and not params.ignore_eos
             )
@@ -481,6 +521,7 @@ class Engine:
                     seq.output_ids[seq.sent_tokens :],
                     seq.finish_reason,
                     seq.stats,
+                    seq.logprobs[seq.sent_tokens :] if seq.params.logprobs is not None else None,
                 )
             )
             seq.sent_text, seq.sent_tokens = len(text), len(seq.output_ids)

@@ -118,7 +118,14 @@ class LLM:
     @staticmethod
     def _final(request: Request) -> RequestOutput:
         outputs = [
-            CompletionOutput(s.index, s.text, s.output_ids, s.finish_reason, s.stats)
+            CompletionOutput(
+                s.index,
+                s.text,
+                s.output_ids,
+                s.finish_reason,
+                s.stats,
+                s.logprobs if s.params.logprobs is not None else None,
+            )
             for s in request.sequences
         ]
         return RequestOutput(

@@ -29,6 +29,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    # Log-probability of each sampled token and of the ``logprobs`` most likely tokens at its
+    # position (0: the sampled token's only; None: none), from the target's raw logits.
+    logprobs: int | None = None
     # Draft tokens per step for this request: None = the engine's setting (automatic by
     # default), 0 = no speculation, k = exactly k (capped by the engine's maximum).
     num_speculative_tokens: int | None = None
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ParamsError(f"n must be at least 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ParamsError("stop strings must not be empty")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ParamsError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ParamsError(
                 f"num_speculative_tokens must be >= 0 (0: off), got {self.num_speculative_tokens}"

@@ -11,6 +11,7 @@ import enum
 
 import numpy as np
 
+from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .params import SamplingParams
 
@@ -34,6 +35,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""
         self.stats = SpecStats()
+        self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
         seed = request.params.seed
         entropy = None if seed is None else [seed, index]
         # Target sampling and acceptance draw from one stream, the draft from another, so a
@@ -91,6 +93,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     spec_stats: SpecStats
+    logprobs: list[TokenLogprob] | None = None  # per token in token_ids, when asked for
 
 
 @dataclasses.dataclass

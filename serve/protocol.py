@@ -1,112 +1,274 @@
-"""OpenAI request bodies -> prompt and SamplingParams; engine outputs -> OpenAI responses."""
+"""The OpenAI API schema for what this server answers, as pydantic models.
+
+Requests are validated strictly (a string is not a number) and turned into ``SamplingParams``;
+fields the engine cannot honour (tools, response formats, penalties, logit bias, echo) are
+refused with a 400 rather than silently ignored. Other unknown fields are ignored, as OpenAI's
+own server and vLLM do. ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
+``num_speculative_tokens`` are vLLM-style extra fields.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from abc import abstractmethod
+from typing import Any, Literal
 
-from mlc_spec.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from mlc_spec.runtime.params import SamplingParams
-from mlc_spec.runtime.request import RequestOutput
-from mlc_spec.runtime.tokenizer import Tokenizer
 
-# OpenAI field -> SamplingParams field; mlc-spec/vLLM extensions are accepted as well.
-_PARAM_FIELDS = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "n": "n",
-}
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    kwargs = {ours: body[theirs] for theirs, ours in _PARAM_FIELDS.items() if theirs in body}
-    kwargs.setdefault("max_tokens", 16)
-    try:
-        return SamplingParams(**kwargs)
-    except TypeError as err:
-        raise UserError(f"bad sampling parameters: {err}") from None
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return prompt
-    raise UserError("'prompt' must be one string or one list of token ids")
+class StreamOptions(_Request):
+    include_usage: bool = False
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    messages = body.get("messages")
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
-    ):
-        raise UserError("'messages' must be a non-empty list of {role, content} objects")
-    return tokenizer.apply_chat_template(messages)
+class _SamplingRequest(_Request):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = Field(None, ge=0)
+    # Accepted only at their no-op values: anything else would be silently wrong.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _SamplingRequest:
+        for field in ("tools", "tool_choice", "functions", "function_call", "response_format"):
+            if getattr(self, field) is not None:
+                raise ValueError(f"'{field}' is not supported: this server returns plain text")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """``room``: tokens each sample may hold after the prompt (context or KV budget)."""
+        return SamplingParams(
+            max_tokens=self._max_tokens(room),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            logprobs=self._logprobs(),
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+
+    @abstractmethod
+    def _max_tokens(self, room: int) -> int: ...
+
+    @abstractmethod
+    def _logprobs(self) -> int | None: ...
 
 
-class ResponseBuilder:
-    """Accumulates increments into one response, or renders them as stream chunks."""
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int):
-        self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.text: dict[int, str] = {}
-        self.tokens: dict[int, int] = {}
-        self.finish: dict[int, str | None] = {}
+    @model_validator(mode="after")
+    def _refuse_completion_only(self) -> CompletionRequest:
+        if self.echo or self.suffix is not None:
+            raise ValueError("echo and suffix are not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported (use n)")
+        return self
 
-    def add(self, delta: RequestOutput) -> None:
-        for out in delta.outputs:
-            self.text[out.index] = self.text.get(out.index, "") + out.text
-            self.tokens[out.index] = self.tokens.get(out.index, 0) + len(out.token_ids)
-            self.finish[out.index] = out.finish_reason
+    def _max_tokens(self, room: int) -> int:
+        return self.max_tokens or 16  # OpenAI's default for completions
 
-    def chunk(self, delta: RequestOutput) -> dict[str, Any]:
-        choices = []
-        for out in delta.outputs:
-            choice: dict[str, Any] = {"index": out.index, "finish_reason": out.finish_reason}
-            if self.chat:
-                choice["delta"] = {"role": "assistant", "content": out.text}
-            else:
-                choice["text"] = out.text
-            choices.append(choice)
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, choices)
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
-    def final(self) -> dict[str, Any]:
-        choices = []
-        for index in sorted(self.text):
-            choice: dict[str, Any] = {"index": index, "finish_reason": self.finish[index]}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": self.text[index]}
-            else:
-                choice["text"] = self.text[index]
-            choices.append(choice)
-        completion = sum(self.tokens.values())
-        response = self._envelope("chat.completion" if self.chat else "text_completion", choices)
-        response["usage"] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-        }
-        return response
 
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def _max_tokens(self, room: int) -> int:
+        # As OpenAI and vLLM: without a limit, a chat answer may fill the context.
+        return self.max_completion_tokens or self.max_tokens or max(room, 1)
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Speculation(BaseModel):
+    """Per-request speculation statistics (all samples together), beside ``usage``."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_rate: float
+    mean_accepted_length: float
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: Usage | None = None
+    speculation: Speculation | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mlc-spec"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def response_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

