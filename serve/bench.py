@@ -13,6 +13,7 @@ against concurrency, one line per speculation setting).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -249,8 +250,26 @@ def machine() -> dict[str, Any]:
     }
 
 
-def setting_label(speculative: str, k: int) -> str:
-    return "off" if speculative == "none" else f"{speculative} k={k}"
+def speculation_setting(value: str) -> str:
+    """``none``, or a proposer with an optional draft length: ``ngram``, ``draft:4``,
+    ``ngram:auto`` (the length without a suffix is ``-k``'s)."""
+    method, _, k = value.partition(":")
+    if method not in ("none", "ngram", "draft") or (k and k != "auto" and not k.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"expected none, ngram[:K] or draft[:K] with K a number or auto, got {value!r}"
+        )
+    return value
+
+
+def draft_length(value: str) -> str:
+    if value != "auto" and not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number, got {value!r}")
+    return value
+
+
+def setting_label(speculative: str, k: str) -> str:
+    method, _, own_k = speculative.partition(":")
+    return "off" if method == "none" else f"{method} k={own_k or k}"
 
 
 def bench(args) -> dict[str, Any]:
@@ -268,8 +287,9 @@ def bench(args) -> dict[str, Any]:
     }
     for speculative in args.speculative:
         label = setting_label(speculative, args.k)
-        serve_args = ["--served-model-name", "bench", "--speculative", speculative]
-        serve_args += ["-k", str(args.k), "--max-batch-size", str(args.max_batch_size)]
+        method, _, k = speculative.partition(":")
+        serve_args = ["--served-model-name", "bench", "--speculative", method]
+        serve_args += ["-k", k or args.k, "--max-batch-size", str(args.max_batch_size)]
         serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
         if args.model:
             serve_args += ["--model", args.model]
@@ -374,11 +394,14 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--speculative",
         nargs="+",
-        choices=["none", "ngram", "draft"],
+        type=speculation_setting,
         default=["none", "ngram"],
-        help="one server per setting, one line each in the plots",
+        help="one server per setting, one line each in the plots: none, or ngram / draft with "
+        "an optional draft length, e.g. ngram:4 ngram:auto",
     )
-    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument(
+        "-k", type=draft_length, default="4", help="draft tokens per step: a number or auto"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument(
         "--request-rate",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from mlc_spec.cli import main
 from mlc_spec.serve.bench import (
     humaneval_jobs,
@@ -24,12 +26,19 @@ def test_prompt_sources():
     assert all(j.payload["messages"][0]["content"] for j in jobs)
 
 
+def test_bench_serve_refuses_unknown_settings(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--speculative", "ngram:many"])
+    assert "ngram:many" in capsys.readouterr().err
+
+
 def test_bench_serve_sweep(tiny_llama, tmp_path):
     argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--concurrency", "1", "3"]
     argv += ["--max-tokens", "4", "--min-requests", "3", "--rounds", "1"]
+    argv += ["--speculative", "none", "ngram", "ngram:auto"]
     assert main([*argv, "--output-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert list(results["settings"]) == ["off", "ngram k=4"]
+    assert list(results["settings"]) == ["off", "ngram k=4", "ngram k=auto"]
     for rows in results["settings"].values():
         assert [r["concurrency"] for r in rows] == [1, 3]
         assert all(r["completed"] == r["requests"] == 3 for r in rows), rows
