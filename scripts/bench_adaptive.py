@@ -333,6 +333,7 @@ def plot(
         row[1].set(title=f"{method}: p50 TPOT (ms)", xlabel="concurrency", xscale="log")
         for ax in row:
             ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.minorticks_off()
             ax.grid(alpha=0.3)
         row[1].legend(fontsize=8)
     fig.tight_layout()
