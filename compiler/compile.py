@@ -12,7 +12,7 @@ import numpy as np
 import safetensors.numpy
 import tvm
 
-from mlc_spec.models import MODEL_CLASSES, ConfigError, ModelConfig
+from mlc_spec.models import MODEL_CLASSES, ConfigError, LlamaForCausalLM, ModelConfig
 from mlc_spec.models.quantized import PANEL_SUFFIXES, quantizable_weights, quantize_layers
 from mlc_spec.runtime.artifact import (
     CONFIG_FILE,
@@ -84,13 +84,15 @@ def compile_model(
     if attention == "flashinfer":
         flashinfer.check_supported(cfg, cuda_arch)
     quantization = quantization or ("as-source" if source.stored_formats else "none")
-    floats = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
+    module = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
+    module.to(cfg.dtype)
     plan = plan_quantization(
-        quantizable_weights(floats),
+        quantizable_weights(module),
         source.stored_formats,
         quantization,
         float_panels=target == "llvm",
     )
+    module = quantize_layers(module, {weight: how.fmt for weight, how in plan.items()})
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -101,6 +103,7 @@ def compile_model(
             staging,
             Path(model),
             source,
+            module,
             cfg,
             target,
             tvm_target,
@@ -122,6 +125,7 @@ def _write_artifact(
     staging: Path,
     model_path: Path,
     source: ModelSource,
+    module: LlamaForCausalLM,
     cfg: ModelConfig,
     target: str,
     tvm_target: tvm.target.Target,
@@ -131,9 +135,6 @@ def _write_artifact(
     quantization: str,
     progress: Progress,
 ) -> None:
-    module = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
-    module.to(cfg.dtype)
-    module = quantize_layers(module, {weight: how.fmt for weight, how in plan.items()})
     with ExitStack() as kernels:
         if attention == "flashinfer":
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))

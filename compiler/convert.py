@@ -58,8 +58,8 @@ def convert_parameters(
                     current = (weight, {"panels": floats(weight)})
                 else:
                     qt = _quantized(weight, plan[weight], source, parts)
-                    current = (weight, {"codes": qt.codes, "scales": qt.scales})
-                    current[1]["offsets"] = qt.offsets
+                    tensors = {"codes": qt.codes, "scales": qt.scales, "offsets": qt.offsets}
+                    current = (weight, tensors)
             array = to_panels(current[1][suffix])
             what = f"{name} (of {weight})"
         else:
