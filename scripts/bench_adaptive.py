@@ -2,17 +2,19 @@
 concurrency, for no speculation, every fixed k, automatic k, and speculation configured but
 switched off by every request.
 
-SmolLM2-135M-Instruct (float32, CPU) serves a mixed workload -- HumanEval code prompts, raw, and
-ShareGPT opening turns in the chat template, alternating -- to a closed loop of C clients: each
-client sends its next request as soon as its previous one finishes. Proposers: prompt lookup
-(n-gram) and a draft model: SmolLM2 itself by default (every draft accepted, each costing a
-target step), or its first ``--draft-layers`` layers. All engines share one
+``--model smollm2`` (SmolLM2-135M-Instruct as shipped) or ``--model qwen-pair`` (Qwen2.5-Coder-1.5B
+with its 0.5B sibling as draft, both Q4_K_M as shipped) serves a mixed workload -- HumanEval code
+prompts, raw, and ShareGPT opening turns in the chat template, alternating -- to a closed loop of
+C clients: each client sends its next request as soon as its previous one finishes. Proposers:
+prompt lookup (n-gram) and a draft model: for SmolLM2, SmolLM2 itself by default (every draft
+accepted, each costing a target step), or its first ``--draft-layers`` layers. All engines share one
 loaded target (and draft) and run in one process, config after config for each concurrency, so
 the ratios compare like with like even where the machine's load drifts. Greedy decoding, so every
 config must produce the no-speculation tokens; the script checks it.
 
-    python scripts/bench_adaptive.py [--concurrency 1 2 4 8] [--fixed-k 1 2 3 4 5 6]
-        [--max-tokens 32] [--requests-per-client 2] [--draft-layers N] [--write docs/benchmarks.md]
+    python scripts/bench_adaptive.py [--model smollm2|qwen-pair] [--concurrency 1 2 4 8 16]
+        [--fixed-k 1 2 3 4 5 6] [--max-tokens 32] [--requests-per-client 2] [--draft-layers N]
+        [--methods ngram draft] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
 os.environ["TVM_NUM_THREADS"] = str(THREADS)
 
+from prepare_qwen_pair import prepare_pair  # noqa: E402
 from workloads import humaneval_prompts, sharegpt_turns  # noqa: E402
 
 from mlc_spec.compiler.compile import compile_model  # noqa: E402
@@ -44,9 +47,13 @@ from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeCon
 from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 
-SECTION = "bench_adaptive"
-PLOT = "bench_adaptive.png"
 MODEL = "smollm2-135m-instruct"
+# Per --model: the section of docs/benchmarks.md, the plot, and the title's model.
+SECTIONS = {"smollm2": "bench_adaptive", "qwen-pair": "bench_adaptive-qwen-pair"}
+TITLES = {
+    "smollm2": "SmolLM2-135M-Instruct",
+    "qwen-pair": "Qwen2.5-Coder-1.5B-Instruct, 0.5B draft, Q4_K_M as shipped",
+}
 MAX_K = 6
 _ids = itertools.count()
 
@@ -122,9 +129,12 @@ def closed_loop(
     return run
 
 
-def artifacts(root: Path, draft_layers: int | None) -> tuple[Path, Path]:
-    """SmolLM2 and its draft (itself, or its first ``draft_layers`` layers), compiled once into
-    ``root``."""
+def artifacts(model: str, root: Path, draft_layers: int | None) -> tuple[Path, Path]:
+    """The target and its draft, compiled once: the Qwen pair where ``prepare_qwen_pair`` keeps
+    it; SmolLM2 and its draft (itself, or its first ``draft_layers`` layers) into ``root``."""
+    if model == "qwen-pair":
+        draft, target = prepare_pair(show_progress=False)
+        return target, draft
     gguf = fetch(MODEL)
     target = root / f"{MODEL}-llvm"
     if not target.exists():
@@ -138,10 +148,10 @@ def artifacts(root: Path, draft_layers: int | None) -> tuple[Path, Path]:
 
 
 def build_engine(
-    config: Config, target: Model, draft: Model, tokenizer: Tokenizer, batch: int
+    config: Config, target: Model, draft: Model, tokenizer: Tokenizer, batch: int, total_len: int
 ) -> Engine:
     """An engine over the shared loaded models, with its own KV caches."""
-    engine_config = EngineConfig(max_batch_size=batch, max_total_len=4096)
+    engine_config = EngineConfig(max_batch_size=batch, max_total_len=total_len)
     if config.method is None:
         return Engine(target, tokenizer, engine_config)
     spec = SpeculativeConfig(config.method, config.k, MAX_K)
@@ -167,18 +177,22 @@ def report(
     args: argparse.Namespace,
     context: list[str],
 ) -> str:
+    if args.model == "qwen-pair":
+        draft_text = "Draft: Qwen2.5-Coder-0.5B-Instruct. "
+    elif args.draft_layers is None:
+        draft_text = (
+            "Draft: SmolLM2 itself (every draft is accepted, each costs a target decode step). "
+        )
+    else:
+        draft_text = f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. "
     lines = [
-        "## Adaptive speculation under load: SmolLM2-135M-Instruct, mixed code and prose",
+        f"## Adaptive speculation under load: {TITLES[args.model]}, mixed code and prose",
         "",
         f"Closed loop: C clients, each sending its next request when the last finished, "
         f"{args.requests_per_client} requests per client; prompts alternate HumanEval (raw) and "
         f"ShareGPT opening turns (chat template); greedy, exactly {args.max_tokens} output "
         f"tokens per request (EOS ignored). N-gram: prompt lookup, n-grams of 1-3 tokens. "
-        + (
-            "Draft: SmolLM2 itself (every draft is accepted, each costs a target decode step). "
-            if args.draft_layers is None
-            else f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. "
-        )
+        + draft_text
         + f"Engines share the loaded "
         f"models, batch up to {max(concurrencies)} sequences, max_speculative_tokens {MAX_K}. "
         "Output tok/s: output tokens of all requests over the run's wall time (prefill "
@@ -209,7 +223,7 @@ def report(
         "",
         *cost_table(engines, concurrencies, methods),
         "",
-        f"![throughput and TPOT against concurrency]({PLOT})",
+        f"![throughput and TPOT against concurrency]({plot_name(args.model)})",
     ]
     return "\n".join(lines)
 
@@ -340,9 +354,14 @@ def plot(
     fig.savefig(path, dpi=110)
 
 
+def plot_name(model: str) -> str:
+    return f"{SECTIONS[model]}.png"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--model", choices=sorted(SECTIONS), default="smollm2")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--fixed-k", type=int, nargs="+", default=list(range(1, MAX_K + 1)))
@@ -353,11 +372,11 @@ def main() -> None:
     parser.add_argument(
         "--artifacts", type=Path, default=default_cache_dir() / "artifacts" / "bench-adaptive"
     )
-    parser.add_argument("--write", type=Path, help=f"replace the {SECTION} section of this file")
+    parser.add_argument("--write", type=Path, help="replace this benchmark's section of this file")
     args = parser.parse_args()
     load = os.getloadavg()[0]  # before we add our own
 
-    target_dir, draft_dir = artifacts(args.artifacts, args.draft_layers)
+    target_dir, draft_dir = artifacts(args.model, args.artifacts, args.draft_layers)
     target = Model(target_dir)
     draft = target if draft_dir == target_dir else Model(draft_dir)
     tokenizer = Tokenizer(target_dir)
@@ -370,10 +389,12 @@ def main() -> None:
     prompts = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
     cfgs = configs(args.methods, args.fixed_k)
     batch = max(args.concurrency)
+    # Room for every running sequence at once, so that no config is slowed by preemption.
+    total_len = batch * (max(map(len, prompts)) + args.max_tokens + 2 * MAX_K + 64)
     engines = {}
     for cfg in cfgs:
         print(f"loading {cfg.name}", file=sys.stderr)
-        engines[cfg.name] = build_engine(cfg, target, draft, tokenizer, batch)
+        engines[cfg.name] = build_engine(cfg, target, draft, tokenizer, batch, total_len)
     results: dict[tuple[str, int], Run] = {}
     for c in args.concurrency:
         for cfg in cfgs:
@@ -412,8 +433,10 @@ def main() -> None:
     )
     print(section)
     if args.write:
-        plot(results, cfgs, args.concurrency, args.methods, args.write.parent / PLOT)
-        write_section(args.write, SECTION, section)
+        plot(
+            results, cfgs, args.concurrency, args.methods, args.write.parent / plot_name(args.model)
+        )
+        write_section(args.write, SECTIONS[args.model], section)
 
 
 if __name__ == "__main__":
