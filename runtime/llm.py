@@ -28,11 +28,12 @@ class LLM:
         max_batch_size: int = 8,
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
+        async_scheduling: bool = False,
     ):
         self.speculative = SpeculativeConfig.parse(speculative, draft_model is not None)
         self.model = Model(model)
         self.tokenizer = Tokenizer(model)
-        config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size)
+        config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size, async_scheduling)
         proposer = build_proposer(self.speculative, draft_model, self.model, self.tokenizer, config)
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.speculative)
 

@@ -33,6 +33,7 @@ class Sequence:
         self.sent_tokens = 0  # streamed so far
         self.sent_text = 0
         self.finish_reason: str | None = None
+        self.output_end: int | None = None  # where a stop string cut the tokens off
         self.text = ""
         self.stats = SpecStats()
         self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
@@ -53,7 +54,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
+        return self.tokens[self.num_prompt : self.output_end]
 
     @property
     def finished(self) -> bool:
