@@ -34,13 +34,12 @@ class SequenceOutput:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self.stop = tuple(stop)
-        self.token_ids: list[int] = []  # kept output ids: none past a stop string
+        self.token_ids: list[int] = []  # output ids: none past a stop string
         self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
         self.stopped = False  # a stop string ended it
         self.finished = False
-        # Detokenizer: the first ``_released`` characters of the decode of ids[prefix:] were
-        # released; the text of ids[:read] ended complete.
-        self._ids: list[int] = []
+        # Detokenizer: the first ``_released`` characters of the decode of
+        # token_ids[prefix:] were released; the text of token_ids[:read] ended complete.
         self._prefix = 0
         self._read = 0
         self._released = 0
@@ -101,13 +100,14 @@ class OutputProcessor:
             raise ValueError("no tokens to add")
         if state.logprobs is not None and (logprobs is None or len(logprobs) != len(token_ids)):
             raise ValueError("this sequence reports logprobs: one is needed per token")
+        start = len(state.token_ids)
         pieces, ends = [], []  # new text released by each token; characters after it
         for i, token in enumerate(token_ids):
-            state._ids.append(int(token))
+            state.token_ids.append(int(token))
             pieces.append(self._detokenize(state, finished and i == len(token_ids) - 1))
             ends.append((ends[-1] if ends else 0) + len(pieces[-1]))
         kept = self._release(state, "".join(pieces), ends, finished)
-        state.token_ids += [int(t) for t in token_ids[:kept]]
+        del state.token_ids[start + kept :]
         if state.logprobs is not None:
             state.logprobs += logprobs[:kept]
         state.finished = finished or state.stopped
@@ -123,12 +123,13 @@ class OutputProcessor:
         (a leading space a decoder strips from the first token, skipped special tokens) as
         the whole output's decode has it. Once a new piece ends complete, the window moves up
         to it, so it stays a few ids long."""
-        text = self.tokenizer.decode(state._ids[state._prefix :])
+        ids = state.token_ids
+        text = self.tokenizer.decode(ids[state._prefix :])
         end = len(text) if last else len(text.rstrip(INCOMPLETE))
         new = text[state._released : end]
         if new and end == len(text) and not last:
-            state._prefix, state._read = state._read, len(state._ids)
-            state._released = len(self.tokenizer.decode(state._ids[state._prefix :]))
+            state._prefix, state._read = state._read, len(ids)
+            state._released = len(self.tokenizer.decode(ids[state._prefix :]))
         else:
             state._released = max(state._released, end)
         return new
