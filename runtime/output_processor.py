@@ -100,13 +100,16 @@ class OutputProcessor:
             raise ValueError("no tokens to add")
         if state.logprobs is not None and (logprobs is None or len(logprobs) != len(token_ids)):
             raise ValueError("this sequence reports logprobs: one is needed per token")
-        start = len(state.token_ids)
-        pieces, ends = [], []  # new text released by each token; characters after it
-        for i, token in enumerate(token_ids):
-            state.token_ids.append(int(token))
-            pieces.append(self._detokenize(state, finished and i == len(token_ids) - 1))
+        ids, start = [int(t) for t in token_ids], len(state.token_ids)
+        # Stop strings need the token that completes each character; else one decode will do.
+        cuts = range(1, len(ids) + 1) if state.stop else [len(ids)]
+        pieces, ends = [], []  # new text released up to each cut; characters after it
+        for cut in cuts:
+            state.token_ids += ids[len(state.token_ids) - start : cut]
+            pieces.append(self._detokenize(state, finished and cut == len(ids)))
             ends.append((ends[-1] if ends else 0) + len(pieces[-1]))
-        kept = self._release(state, "".join(pieces), ends, finished)
+        piece = self._release(state, "".join(pieces), ends, finished)
+        kept = len(ids) if piece is None else cuts[piece]
         del state.token_ids[start + kept :]
         if state.logprobs is not None:
             state.logprobs += logprobs[:kept]
@@ -135,13 +138,15 @@ class OutputProcessor:
         return new
 
     # ---- stop strings -----------------------------------------------------------------------
-    def _release(self, state: SequenceOutput, new: str, ends: list[int], finished: bool) -> int:
-        """Check ``new`` text for stop strings and release what is certain; returns how many
-        of the step's tokens are kept.
+    def _release(
+        self, state: SequenceOutput, new: str, ends: list[int], finished: bool
+    ) -> int | None:
+        """Check ``new`` text for stop strings and release what is certain; returns the
+        piece of ``new`` (``ends``: where each ends) that completed a stop string, if any.
 
         Only ``new`` and the ``longest stop - 1`` characters before it are searched: an
         earlier stop would have ended the sequence already. Of several stops, the one that
-        completes at the earliest token wins and the text is cut at its start, as if tokens
+        completes in the earliest piece (token) wins and the text is cut at its start, as if tokens
         had come one at a time. Text that a stop string may begin with is held back until
         the next tokens settle it: once streamed it could not be taken back, and a stop that
         spans two steps would leak its first part to the client (what vLLM does too).
@@ -155,15 +160,15 @@ class OutputProcessor:
                 end = start + len(stop) - len(state._tail)  # in ``new``
                 hits.append((bisect.bisect_left(ends, end), start))
         if hits:
-            token, start = min(hits)
+            piece, start = min(hits)
             self._append(state, window[unreleased:start])
             state.stopped = True
-            return token + 1
+            return piece
         keep = len(window) if finished else len(window) - _stop_prefix(window, state)
         self._append(state, window[unreleased:keep])
         state._tail = window[max(0, len(window) - state._window_len) :]
         state._held = len(window) - keep
-        return len(ends)
+        return None
 
     @staticmethod
     def _append(state: SequenceOutput, text: str) -> None:

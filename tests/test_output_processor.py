@@ -291,13 +291,14 @@ class _CountingTokenizer:
 
 
 def test_work_per_token_does_not_grow_with_the_output(smollm2_tokenizer):
-    """2000 tokens, in chunks of 1 to 6, with a stop string: each decode sees a short window,
+    """2000 tokens, in chunks of 1 to 6, with and without a stop string: each decode sees a
+    window of a few dozen ids at most (it moves on where a chunk ends on a whole character),
     where decoding the whole output again would see up to 2000 ids."""
-    counting = _CountingTokenizer(smollm2_tokenizer)
     ids = (smollm2_tokenizer.encode(TEXT) * 40)[:2000]
-    state, _ = _stream(
-        OutputProcessor(counting), _chunks(ids, np.random.default_rng(0)), ["\x00x"], lambda *_: 0
-    )
-    assert len(state.token_ids) == 2000
-    assert max(counting.decoded) <= 8
-    assert sum(counting.decoded) <= 6 * len(ids)
+    for stop in [], ["\x00x"]:
+        counting = _CountingTokenizer(smollm2_tokenizer)
+        chunks = _chunks(ids, np.random.default_rng(0))
+        state, _ = _stream(OutputProcessor(counting), chunks, stop, lambda *_: None)
+        assert len(state.token_ids) == 2000
+        assert max(counting.decoded) <= 40
+        assert sum(counting.decoded) <= 6 * len(ids)
