@@ -9,6 +9,12 @@ ids and logprobs it is handed, so it can run off the step loop's critical path.
 Token-level stops (EOS, ``stop_token_ids``, ``max_tokens``) stay with the engine, which must
 know them at once to free the sequence's pages; it tells ``process`` that the chunk it hands
 over is the last one (``finished``).
+
+The text streamed equals the decode of the whole output wherever the tokenizer's decoder is
+local, as byte-level ones are (GPT-2 style: SmolLM2, Qwen2.5). A byte-fallback decoder
+(SentencePiece, Llama 2) writes a whole run of byte tokens as one U+FFFD per byte once any
+of it is not valid UTF-8, which text already streamed cannot follow: after such a run the two
+differ in those replacement characters (as with vLLM's and Hugging Face's streamers).
 """
 
 from __future__ import annotations
