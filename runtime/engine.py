@@ -40,10 +40,11 @@ from mlc_spec.errors import UserError
 from .logprobs import token_logprobs
 from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
 from .model import Model, chunk_rounds
+from .output_processor import OutputProcessor, SequenceOutput
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
 from .rejection_sampler import rejection_sample
-from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
+from .request import Request, RequestOutput, Sequence, Status
 from .sampling import probs_for, sample_from_probs
 from .scheduler import SEQUENCE_PAGE_SLACK, Scheduler, pages
 from .speculation import (
@@ -157,6 +158,7 @@ class Engine:
         self.capacity_pages = self.kv.available_pages()
         self.scheduler = Scheduler(config.max_batch_size, self.kv.page_size)
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
+        self.outputs = OutputProcessor(tokenizer)
         self.stats = SpecStats()
         self.timers = Timers()
         self.num_preemptions = 0
@@ -225,7 +227,15 @@ class Engine:
                 "raise max_total_len / max_batch_size"
             )
         request = Request(request_id, prompt, ids, params, arrival)
-        request.sequences = [Sequence(request, i, next(self._seq_ids)) for i in range(params.n)]
+        request.sequences = [
+            Sequence(
+                request,
+                i,
+                next(self._seq_ids),
+                SequenceOutput(params.stop, params.logprobs is not None),
+            )
+            for i in range(params.n)
+        ]
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -643,41 +653,27 @@ class Engine:
             self.scheduler.finish(seq.request)
 
     def _process(self, committed: list[Emitted]) -> list[RequestOutput]:
-        """Logprobs, text and stop strings of committed tokens; the increments to report."""
+        """Logprobs, text and stop strings of committed tokens; the increments to report. A
+        stop string ends its sequence here: the tokens after it are cut off (``output_end``,
+        leaving ``tokens`` alone, which a step in flight may be reading)."""
         requests = {}
         for emitted in committed:
             seq = emitted.seq
             if seq.request.request_id not in self._requests:
                 continue  # aborted after its tokens were committed
             params = seq.params
-            if params.logprobs is not None:
-                seq.logprobs += token_logprobs(emitted.rows, emitted.tokens, params.logprobs)
-            if params.stop:
-                self._stop_strings(seq, len(emitted.tokens))
-            else:
-                seq.text = self.tokenizer.decode(seq.output_ids)
-            requests[seq.request.request_id] = seq.request
-        return [self._delta(r) for r in requests.values()]
-
-    def _stop_strings(self, seq: Sequence, num_new: int) -> None:
-        """Find the first stop string the last ``num_new`` tokens complete; the text and the
-        tokens after it are cut off and the sequence is finished."""
-        end = len(seq.tokens)
-        window = max(len(s) for s in seq.params.stop) + 8
-        for cut in range(end - num_new + 1, end + 1):
-            text = self.tokenizer.decode(seq.tokens[seq.num_prompt : cut])
-            hits = [
-                i
-                for s in seq.params.stop
-                if (i := text.find(s, max(0, len(seq.text) - window))) >= 0
-            ]
-            seq.text = text[: min(hits)] if hits else text
-            if hits:
-                seq.output_end = cut
+            scored = (
+                token_logprobs(emitted.rows, emitted.tokens, params.logprobs)
+                if params.logprobs is not None
+                else None
+            )
+            if self.outputs.process(seq.output, emitted.tokens, scored, finished=seq.finished):
+                seq.output_end = seq.num_prompt + len(seq.output.token_ids)
                 was_running, seq.finish_reason = not seq.finished, "stop"
                 if was_running:
                     self._finish(seq)
-                return
+            requests[seq.request.request_id] = seq.request
+        return [self._delta(r) for r in requests.values()]
 
     def _enter_cache(self, seq: Sequence) -> None:
         self.kv.add_sequence(seq.seq_id)
@@ -693,23 +689,10 @@ class Engine:
             self.acceptance.forget(seq.seq_id)
 
     def _delta(self, request: Request) -> RequestOutput:
-        outputs = []
-        for seq in request.sequences:
-            text = seq.text if seq.finished else seq.text.rstrip("\ufffd")  # half a character
-            ids = seq.output_ids
-            outputs.append(
-                CompletionOutput(
-                    seq.index,
-                    text[seq.sent_text :],
-                    ids[seq.sent_tokens :],
-                    seq.finish_reason,
-                    seq.stats,
-                    seq.logprobs[seq.sent_tokens : len(ids)]
-                    if seq.params.logprobs is not None
-                    else None,
-                )
-            )
-            seq.sent_text, seq.sent_tokens = len(text), len(ids)
+        outputs = [
+            s.output.completion(s.index, s.finish_reason, s.stats, delta=True)
+            for s in request.sequences
+        ]
         finished = not request.unfinished
         if finished:
             self._requests.pop(request.request_id, None)

@@ -13,7 +13,7 @@ from .engine import Engine
 from .model import Model
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import build_proposer
-from .request import CompletionOutput, Request, RequestOutput
+from .request import Request, RequestOutput
 from .tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -119,14 +119,7 @@ class LLM:
     @staticmethod
     def _final(request: Request) -> RequestOutput:
         outputs = [
-            CompletionOutput(
-                s.index,
-                s.text,
-                s.output_ids,
-                s.finish_reason,
-                s.stats,
-                s.logprobs if s.params.logprobs is not None else None,
-            )
+            s.output.completion(s.index, s.finish_reason, s.stats, delta=False)
             for s in request.sequences
         ]
         return RequestOutput(
