@@ -218,14 +218,15 @@ def main() -> None:
             "`async_scheduling`, alternating at each concurrency. Host on the critical path: "
             "(wall time - time the step's passes ran) / steps, against the whole step; sync "
             "host phases: schedule / commit / process (text, stop strings, increments) / sample "
-            "(host numpy, inside the step's passes), ms per step. Same tokens: greedy outputs identical; same acceptance: drafted and "
-            "accepted counts per position identical (async accepted/drafted in brackets).",
+            "(inside the step's passes), ms per step. Same tokens: greedy outputs identical; "
+            "same acceptance: drafted and accepted counts per position identical (async "
+            "accepted/drafted in brackets).",
             "",
             *context,
             "",
             "| setting | C | sync tok/s | async tok/s | async/sync | sync host ms / step ms "
-            "| async host ms / step ms | sync schedule / commit / process / sample ms | same tokens "
-            "| same acceptance |",
+            "| async host ms / step ms | sync schedule / commit / process / sample ms "
+            "| same tokens | same acceptance |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
             *rows,
         ]
