@@ -34,13 +34,9 @@ import tvm
 from tvm import relax as rx
 from tvm import te, tirx, topi
 
-ARGMAX = "argmax_tokens"
-PROBS = "probs_from_logits"
-PROBS_TOP_KP = "probs_from_logits_top_kp"
-SAMPLE = "sample_from_probs"
-VERIFY_SAMPLED = "verify_sampled_draft"
-VERIFY_POINT = "verify_point_draft"
-FUNCTIONS = (ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT)
+from mlc_spec.runtime.artifact import SAMPLER_FUNCTIONS
+
+ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
 
 F32, I32 = "float32", "int32"
 

@@ -23,6 +23,7 @@ import itertools
 import time
 
 import numpy as np
+import tvm.runtime
 
 from mlc_spec.errors import UserError
 
@@ -31,9 +32,9 @@ from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
 from .model import Model, chunk_rounds
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
-from .rejection_sampler import rejection_sample
 from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
-from .sampling import probs_for, sample_from_probs
+from .rows import Rows, take
+from .sampler import DraftProbs
 from .scheduler import SEQUENCE_PAGE_SLACK, Scheduler, pages
 from .speculation import (
     AcceptanceEstimator,
@@ -62,7 +63,7 @@ class StepResult:
     num_draft: np.ndarray  # drafts verified per sequence
     accepted: np.ndarray
     emitted: list[np.ndarray]  # accepted drafts + the target's token, per sequence
-    rows: list[np.ndarray]  # the target's logits row each emitted token came from, per sequence
+    rows: list[Rows]  # the target's logits row each emitted token came from, per sequence
     started: float  # perf_counter when execution began
     draft_seconds: float
     target_seconds: float  # the target's pass and sampling
@@ -267,13 +268,15 @@ class Engine:
         done = [(i, s) for i, (s, _) in enumerate(fresh) if s.kv_len == s.num_prompt]
         if not done:
             return []
-        return self._first_tokens([s.request for _, s in done], logits[[i for i, _ in done]])
+        return self._first_tokens([s.request for _, s in done], logits, [i for i, _ in done])
 
-    def _first_tokens(self, requests: list[Request], logits: np.ndarray) -> list[Sequence]:
-        """Sample each sample's first token from its prompt's logits; ``n > 1`` samples share
-        the prompt's KV pages through ``fork_sequence``."""
+    def _first_tokens(
+        self, requests: list[Request], logits: tvm.runtime.Tensor, prompt_rows: list[int]
+    ) -> list[Sequence]:
+        """Sample each sample's first token from its prompt's logits row; ``n > 1`` samples
+        share the prompt's KV pages through ``fork_sequence``."""
         seqs, rows = [], []
-        for row, request in enumerate(requests):
+        for row, request in zip(prompt_rows, requests, strict=True):
             parent = request.sequences[0]
             for seq in request.sequences[1:]:
                 self.kv.fork_sequence(parent.seq_id, seq.seq_id)
@@ -281,10 +284,13 @@ class Engine:
             seqs += request.sequences
             rows += [row] * len(request.sequences)
         with self.timers("sample"):
-            probs = probs_for(logits[rows], [s.params for s in seqs])
-            tokens = sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
+            tokens = self.target.sampler.sample_logits(
+                take(logits, rows),
+                [s.params for s in seqs],
+                np.array([s.rng.random() for s in seqs]),
+            )
         for seq, token, row in zip(seqs, tokens, rows, strict=True):
-            self._append(seq, [int(token)], logits[row : row + 1])
+            self._append(seq, [int(token)], Rows(logits, row, row + 1))
         return seqs
 
     # ---- decode: plan -> execute -> commit ----------------------------------------------
@@ -347,9 +353,7 @@ class Engine:
             for i, tokens in zip(asked, proposal.tokens, strict=True):
                 drafts[i] = tokens[: plan.num_draft[i]]
             if proposal.probs is not None:
-                draft_probs = np.concatenate(
-                    [p[: len(drafts[i])] for i, p in zip(asked, proposal.probs, strict=True)]
-                )
+                draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
@@ -363,13 +367,13 @@ class Engine:
             num_draft,
             accepted,
             per_seq,
-            [logits[a : a + len(t)] for a, t in zip(starts, per_seq, strict=True)],
+            [Rows(logits, a, a + len(t)) for a, t in zip(starts, per_seq, strict=True)],
             started,
             drafted - started,
             time.perf_counter() - drafted,
         )
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, tvm.runtime.Tensor]:
         """The plain step: one token per sequence, no draft forward, no verification;
         ``(tokens, logits)``."""
         with self.timers("decode"):
@@ -377,33 +381,25 @@ class Engine:
                 self.kv, [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
             )
         with self.timers("sample"):
-            probs = probs_for(logits, [s.params for s in seqs])
-            return sample_from_probs(probs, np.array([s.rng.random() for s in seqs])), logits
+            uniforms = np.array([s.rng.random() for s in seqs])
+            return self.target.sampler.sample_logits(logits, [s.params for s in seqs], uniforms), logits
 
     def _verify(
         self,
         seqs: list[Sequence],
         drafts: list[np.ndarray],
         num_draft: np.ndarray,
-        draft_probs: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        draft_probs: DraftProbs | None,
+    ) -> tuple[np.ndarray, np.ndarray, tvm.runtime.Tensor]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
         ``(accepted per sequence, emitted tokens concatenated, the pass's logits)``."""
         with self.timers("verify"):
             inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
             logits = self.target.evaluate_multi_query(self.kv, [s.seq_id for s in seqs], inputs)
         with self.timers("sample"):
-            row_params = [
-                s.params for s, k in zip(seqs, num_draft, strict=True) for _ in range(k + 1)
-            ]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
-            accepted, emitted = rejection_sample(
-                np.concatenate(drafts),
-                num_draft,
-                draft_probs,
-                probs_for(logits, row_params),
-                np.concatenate([u[:-1] for u in uniforms]),
-                np.array([u[-1] for u in uniforms]),
+            accepted, emitted = self.target.sampler.verify(
+                logits, [s.params for s in seqs], drafts, draft_probs, uniforms
             )
         return accepted, emitted, logits
 
