@@ -219,9 +219,7 @@ def _kept_probs(
     def kept_exp(i, t):
         value, cut = x[i, t], order[i, tirx.max(length[i], 1) - 1]
         use_p = tirx.all(top_p[i] < 1, temperature[i] != 0)
-        in_p = tirx.any(
-            tirx.Not(use_p), value > x[i, cut], tirx.all(value == x[i, cut], t <= cut)
-        )
+        in_p = tirx.any(tirx.Not(use_p), value > x[i, cut], tirx.all(value == x[i, cut], t <= cut))
         keep = tirx.all(value >= kth[i], in_p)
         return tirx.Select(keep, te.exp(value - x[i, order[i, 0]]), tirx.const(0, F32))
 
@@ -363,8 +361,6 @@ def _emitted(draft_tokens, offsets, accepted, token, target_probs):
         i = owner[s]
         pos = _i32(s) - offsets[i] - i
         draft = draft_tokens[tirx.min(offsets[i] + pos, _i32(t) - 1)]
-        return tirx.Select(
-            pos < accepted[i], draft, tirx.Select(pos == accepted[i], token[i], -1)
-        )
+        return tirx.Select(pos < accepted[i], draft, tirx.Select(pos == accepted[i], token[i], -1))
 
     return te.compute((r,), emitted, name="emitted")

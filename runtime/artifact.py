@@ -31,7 +31,13 @@ SAMPLER_FUNCTIONS = (
     "verify_sampled_draft",
     "verify_point_draft",
 )
-FUNCTIONS = ("prefill", "decode", "evaluate_multi_query", "create_paged_kv_cache", *SAMPLER_FUNCTIONS)
+FUNCTIONS = (
+    "prefill",
+    "decode",
+    "evaluate_multi_query",
+    "create_paged_kv_cache",
+    *SAMPLER_FUNCTIONS,
+)
 
 # Storage dtypes of parameters: float weights, and the codes and scales of quantized ones.
 NUMPY_DTYPES = {

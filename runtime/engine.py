@@ -382,7 +382,9 @@ class Engine:
             )
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
-            return self.target.sampler.sample_logits(logits, [s.params for s in seqs], uniforms), logits
+            return self.target.sampler.sample_logits(
+                logits, [s.params for s in seqs], uniforms
+            ), logits
 
     def _verify(
         self,

@@ -18,6 +18,7 @@ import tvm.runtime
 import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
+from . import rows
 from .artifact import (
     LIBRARY_FILE,
     NUMPY_DTYPES,
@@ -27,7 +28,6 @@ from .artifact import (
     missing_cpu_features,
     read_config,
 )
-from . import rows
 from .kv_cache import PagedKVCache
 from .sampler import Sampler
 

@@ -65,7 +65,9 @@ class CompiledSampling:
         drafts = np.split(np.asarray(draft_tokens, dtype=np.int64), split)
         probs = None
         if draft_probs is not None:
-            probs = DraftProbs(self._tensor(draft_probs), np.split(np.arange(num_draft.sum()), split))
+            probs = DraftProbs(
+                self._tensor(draft_probs), np.split(np.arange(num_draft.sum()), split)
+            )
         return self.sampler.verify_probs(
             self._tensor(target_probs),
             drafts,

@@ -118,22 +118,23 @@ def rejection_sample(
 
     Lossless speculative acceptance for one step over a ragged batch (Leviathan et al. 2023).
 
-    Request i proposes ``k_i >= 0`` draft tokens, each sampled from the draft's processed distribution
-    ``p_d``; the target scored all of them in one pass, giving its processed distribution ``p_t`` at
-    every draft position plus one more (the bonus position). Draft ``x`` is accepted with probability
-    ``min(1, p_t(x) / p_d(x))``; at the first rejection the replacement is sampled from
-    ``normalize(max(0, p_t - p_d))``; if all ``k_i`` are accepted the bonus token is sampled from the
-    extra target row. Every emitted token is then distributed exactly as target-only sampling.
+    Request i proposes ``k_i >= 0`` draft tokens, each sampled from the draft's processed
+    distribution ``p_d``; the target scored all of them in one pass, giving its processed
+    distribution ``p_t`` at every draft position plus one more (the bonus position). Draft ``x`` is
+    accepted with probability ``min(1, p_t(x) / p_d(x))``; at the first rejection the replacement is
+    sampled from ``normalize(max(0, p_t - p_d))``; if all ``k_i`` are accepted the bonus token is
+    sampled from the extra target row. Every emitted token is then distributed exactly as
+    target-only sampling.
 
-    Greedy needs no special path: at temperature 0 the processed target rows are one-hot at the target
-    argmax ``a``. A draft ``x == a`` has ``p_t(x) = 1`` and is always accepted (``u < 1 <= 1/p_d``);
-    ``x != a`` has ``p_t(x) = 0`` and never is; the residual ``max(0, onehot(a) - p_d)`` is supported
-    on ``a`` alone, as is the bonus row. So the result is exactly "longest draft prefix matching the
-    target argmaxes, then the target's argmax", whatever the uniforms.
+    Greedy needs no special path: at temperature 0 the processed target rows are one-hot at the
+    target argmax ``a``. A draft ``x == a`` has ``p_t(x) = 1`` and is always accepted (``u < 1 <=
+    1/p_d``); ``x != a`` has ``p_t(x) = 0`` and never is; the residual ``max(0, onehot(a) - p_d)``
+    is supported on ``a`` alone, as is the bonus row. So the result is exactly "longest draft prefix
+    matching the target argmaxes, then the target's argmax", whatever the uniforms.
 
-    A deterministic proposer (n-gram lookup, greedy draft) passes ``draft_probs=None``: its proposal is
-    a point mass at the draft token, so acceptance is ``u < p_t(x)`` and the residual is ``p_t`` with
-    ``x`` removed -- still lossless for a sampling target.
+    A deterministic proposer (n-gram lookup, greedy draft) passes ``draft_probs=None``: its proposal
+    is a point mass at the draft token, so acceptance is ``u < p_t(x)`` and the residual is ``p_t``
+    with ``x`` removed -- still lossless for a sampling target.
 
     Inputs (``T = sum(k_i)``): ``num_draft`` ``[B]`` int = ``k_i``; ``draft_tokens`` ``[T]`` int,
     concatenated per request; ``draft_probs`` ``[T, V]`` (row j: the distribution draft token j was

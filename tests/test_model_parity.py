@@ -72,9 +72,7 @@ def test_multi_query_equals_single_decodes_ragged(tiny, draft_lens):
         kv.add_sequence(10 + i)
         model.prefill(kv, [i, 10 + i], [p, p])
     verified = model.evaluate_multi_query(kv, [0, 1, 2], drafts).numpy()
-    singles = [
-        model.decode(kv, [10 + i], [t]).numpy()[0] for i, d in enumerate(drafts) for t in d
-    ]
+    singles = [model.decode(kv, [10 + i], [t]).numpy()[0] for i, d in enumerate(drafts) for t in d]
     np.testing.assert_allclose(verified, np.stack(singles), atol=1e-5)
     lengths = [len(p) + len(d) for p, d in zip(prompts, drafts, strict=True)]
     assert [kv.sequence_length(i) for i in range(3)] == lengths

@@ -11,10 +11,9 @@ import pytest
 import torch
 from conftest import TinyModel
 from policies import RandomK
+from sampling_oracle import probs_for
 from stats import chi2_rejects
 from tiny_models import make_tiny_model, perturbed_copy, tiny_config
-
-from sampling_oracle import probs_for
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.runtime.sampler import Sampler
