@@ -9,8 +9,8 @@ A decode step reads as plan -> execute -> commit:
            called once with the batch and the measured costs
   execute  proposer.propose -> drafts (a sequence may get fewer than planned, or none);
            target.decode when nothing was drafted, else evaluate_multi_query over
-           [pending token + drafts] of every sequence (ragged) and rejection_sample ->
-           accepted prefix + one corrected/bonus token per sequence
+           [pending token + drafts] of every sequence (ragged) and the compiled verification
+           (runtime/sampler.py) -> accepted prefix + one corrected/bonus token per sequence
   commit   popn the rejected tokens in the target cache (the proposer rolls back its own);
            statistics, acceptance and step costs; tokens appended with stop checks; finished
            sequences free their pages at once
@@ -382,9 +382,8 @@ class Engine:
             )
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
-            return self.target.sampler.sample_logits(
-                logits, [s.params for s in seqs], uniforms
-            ), logits
+            tokens = self.target.sampler.sample_logits(logits, [s.params for s in seqs], uniforms)
+        return tokens, logits
 
     def _verify(
         self,
