@@ -41,30 +41,33 @@ ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNC
 F32, I32 = "float32", "int32"
 
 
-def attach_sampler(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` plus the sampling functions (an empty module gives them alone)."""
+def attach_sampler(mod: tvm.IRModule, vocab_size: int | None = None) -> tvm.IRModule:
+    """``mod`` plus the sampling functions (an empty module gives them alone), for a vocabulary
+    of ``vocab_size`` tokens (any size with ``None``). A known size lets the CPU schedules
+    vectorise the row loops."""
     bb = rx.BlockBuilder(mod)
+    v = vocab_size
     for add in (_add_argmax, _add_probs, _add_probs_top_kp, _add_sample):
-        add(bb)
-    _add_verify(bb, VERIFY_SAMPLED, sampled_draft=True)
-    _add_verify(bb, VERIFY_POINT, sampled_draft=False)
+        add(bb, v)
+    _add_verify(bb, v, VERIFY_SAMPLED, sampled_draft=True)
+    _add_verify(bb, v, VERIFY_POINT, sampled_draft=False)
     return bb.finalize()
 
 
-def _add_argmax(bb: rx.BlockBuilder) -> None:
-    n, v = _sizes("n", "v")
+def _add_argmax(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
     logits = _arg("logits", [n, v], F32)
     _function(bb, ARGMAX, [logits], lambda: _te(bb, _argmax, logits))
 
 
-def _add_probs(bb: rx.BlockBuilder) -> None:
-    n, v = _sizes("n", "v")
+def _add_probs(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
     logits, temperature = _arg("logits", [n, v], F32), _arg("temperature", [n], F32)
     _function(bb, PROBS, [logits, temperature], lambda: _te(bb, _probs, logits, temperature))
 
 
-def _add_probs_top_kp(bb: rx.BlockBuilder) -> None:
-    n, v = _sizes("n", "v")
+def _add_probs_top_kp(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
     params = [
         _arg("logits", [n, v], F32),
         _arg("temperature", [n], F32),
@@ -74,14 +77,16 @@ def _add_probs_top_kp(bb: rx.BlockBuilder) -> None:
     _function(bb, PROBS_TOP_KP, params, lambda: _top_kp(bb, *params))
 
 
-def _add_sample(bb: rx.BlockBuilder) -> None:
-    n, v = _sizes("n", "v")
+def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
     probs, uniforms = _arg("probs", [n, v], F32), _arg("uniforms", [n], F32)
     _function(bb, SAMPLE, [probs, uniforms], lambda: _sample(bb, probs, uniforms))
 
 
-def _add_verify(bb: rx.BlockBuilder, name: str, sampled_draft: bool) -> None:
-    t, b, r, d, v = _sizes("t", "b", "r", "d", "v")
+def _add_verify(
+    bb: rx.BlockBuilder, vocab_size: int | None, name: str, sampled_draft: bool
+) -> None:
+    t, b, r, d, v = _sizes("t", "b", "r", "d", vocab_size)
     params = [
         _arg("draft_tokens", [t], I32),
         _arg("draft_offsets", [b + 1], I32),
@@ -94,8 +99,11 @@ def _add_verify(bb: rx.BlockBuilder, name: str, sampled_draft: bool) -> None:
     _function(bb, name, params, lambda: _verify(bb, *params))
 
 
-def _sizes(*names: str) -> list[tirx.Var]:
-    return [tirx.Var(name, "int64") for name in names]
+def _sizes(*dims: str | int | None) -> list[tirx.PrimExpr]:
+    """Symbolic dimensions by name; the vocabulary's fixed where known (``None``: symbolic)."""
+    return [
+        tirx.const(d, "int64") if isinstance(d, int) else tirx.Var(d or "v", "int64") for d in dims
+    ]
 
 
 def _arg(name: str, shape: list, dtype: str) -> rx.Var:

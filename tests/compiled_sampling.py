@@ -16,17 +16,17 @@ from mlc_spec.runtime.params import SamplingParams
 from mlc_spec.runtime.sampler import DraftProbs, Sampler
 
 
-def compile_sampler(target: str = "llvm") -> tvm.runtime.Executable:
+def compile_sampler(target: str = "llvm", vocab_size: int | None = None) -> tvm.runtime.Executable:
     tvm_target = make_target(target)
     return tvm.compile(
-        attach_sampler(tvm.IRModule()),
+        attach_sampler(tvm.IRModule(), vocab_size),
         target=tvm_target,
         relax_pipeline=relax_pipeline(tvm_target, "float32"),
     )
 
 
-def cpu_sampler() -> Sampler:
-    vm = VirtualMachine(compile_sampler("llvm"), tvm.cpu())
+def cpu_sampler(vocab_size: int | None = None) -> Sampler:
+    vm = VirtualMachine(compile_sampler("llvm", vocab_size), tvm.cpu())
     return Sampler({name: vm[name] for name in SAMPLER_FUNCTIONS}, tvm.cpu())
 
 
