@@ -39,6 +39,9 @@ from mlc_spec.runtime.artifact import SAMPLER_FUNCTIONS
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
 
 F32, I32 = "float32", "int32"
+_ZERO = tirx.const(0, F32)
+# exp(-87) ~ 1.6e-38, the smallest normal float32: below it a token's probability is 0.
+_EXP_FLOOR = tirx.const(-87.0, F32)
 
 
 def attach_sampler(mod: tvm.IRModule, vocab_size: int | None = None) -> tvm.IRModule:
@@ -157,8 +160,27 @@ def _greedy_rows(probs: te.Tensor, logits: te.Tensor, temperature: te.Tensor) ->
     )
 
 
+def _row_exp(x: te.Tensor) -> te.Tensor:
+    """``exp(x - max(row))`` by TVM's polynomial exp, which vectorises (``te.exp`` is a scalar
+    libm call per element on CPU) and is float32-accurate; exactly 0 far below the maximum,
+    where it would clamp instead, so that masked (-inf) tokens keep probability 0."""
+    n, v = x.shape
+    k = te.reduce_axis((0, v), name="k")
+    peak = te.compute((n,), lambda i: te.max(x[i, k], axis=k), name="peak")
+    shifted = topi.fast_exp(te.compute(x.shape, lambda i, j: x[i, j] - peak[i], name="shifted"))
+    return te.compute(
+        x.shape,
+        lambda i, j: tirx.Select(x[i, j] - peak[i] > _EXP_FLOOR, shifted[i, j], _ZERO),
+        name="row_exp",
+    )
+
+
 def _probs(logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
-    probs = topi.nn.softmax(_scaled(logits, temperature), axis=1)
+    e = _row_exp(_scaled(logits, temperature))
+    n, v = e.shape
+    k = te.reduce_axis((0, v), name="k")
+    total = te.compute((n,), lambda i: te.sum(e[i, k], axis=k), name="total")
+    probs = te.compute(e.shape, lambda i, j: e[i, j] / total[i], name="softmax")
     return _greedy_rows(probs, logits, temperature)
 
 
@@ -168,10 +190,11 @@ def _top_kp(
     """One stable descending argsort serves both cuts: top-k reads the k-th value, top-p the
     cumulative mass in that order."""
     x = _te(bb, _scaled, logits, temperature)
+    e = _te(bb, _row_exp, x)
     order = bb.emit(rx.op.argsort(x, axis=1, descending=True, dtype=I32))
-    sorted_exp = _te(bb, _sorted_exp, x, order, temperature, top_k)
+    sorted_exp = _te(bb, _sorted_exp, x, e, order, temperature, top_k)
     cdf = bb.emit(rx.op.cumsum(sorted_exp, axis=1))
-    return _te(bb, _kept_probs, logits, x, order, temperature, top_k, top_p, cdf)
+    return _te(bb, _kept_probs, logits, x, e, order, temperature, top_k, top_p, cdf)
 
 
 def _kth(x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor) -> te.Tensor:
@@ -187,14 +210,14 @@ def _kth(x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tenso
 
 
 def _sorted_exp(
-    x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor
+    x: te.Tensor, e: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor
 ) -> te.Tensor:
     """``exp(x - max)`` in descending order, zero below the k-th value."""
     kth = _kth(x, order, temperature, top_k)
 
     def value(i, j):
-        s = x[i, order[i, j]]
-        return tirx.Select(s >= kth[i], te.exp(s - x[i, order[i, 0]]), tirx.const(0, F32))
+        t = order[i, j]
+        return tirx.Select(x[i, t] >= kth[i], e[i, t], _ZERO)
 
     return te.compute(x.shape, value, name="sorted_exp")
 
@@ -202,6 +225,7 @@ def _sorted_exp(
 def _kept_probs(
     logits: te.Tensor,
     x: te.Tensor,
+    e: te.Tensor,
     order: te.Tensor,
     temperature: te.Tensor,
     top_k: te.Tensor,
@@ -229,12 +253,12 @@ def _kept_probs(
         use_p = tirx.all(top_p[i] < 1, temperature[i] != 0)
         in_p = tirx.any(tirx.Not(use_p), value > x[i, cut], tirx.all(value == x[i, cut], t <= cut))
         keep = tirx.all(value >= kth[i], in_p)
-        return tirx.Select(keep, te.exp(value - x[i, order[i, 0]]), tirx.const(0, F32))
+        return tirx.Select(keep, e[i, t], _ZERO)
 
-    e = te.compute(x.shape, kept_exp, name="kept_exp")
+    kept = te.compute(x.shape, kept_exp, name="kept_exp")
     k = te.reduce_axis((0, v), name="k")
-    total = te.compute((n,), lambda i: te.sum(e[i, k], axis=k), name="kept_total")
-    probs = te.compute(x.shape, lambda i, t: e[i, t] / total[i], name="kept_probs")
+    total = te.compute((n,), lambda i: te.sum(kept[i, k], axis=k), name="kept_total")
+    probs = te.compute(x.shape, lambda i, t: kept[i, t] / total[i], name="kept_probs")
     return _greedy_rows(probs, logits, temperature)
 
 
