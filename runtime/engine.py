@@ -3,17 +3,27 @@ preempted) requests and advances every running sequence by one decode or specula
 A step whose chunk completes a prompt ends after sampling its first token, so that token is
 reported at once; the decode step follows in the next ``step``.
 
-A decode step reads as plan -> execute -> commit:
-  plan     which sequences advance (the newest requests are preempted while one step of all
-           does not fit in the cache) and how many drafts each gets: the speculation policy,
-           called once with the batch and the measured costs
-  execute  proposer.propose -> drafts (a sequence may get fewer than planned, or none);
-           target.decode when nothing was drafted, else evaluate_multi_query over
-           [pending token + drafts] of every sequence (ragged) and the compiled verification
-           (runtime/sampler.py) -> accepted prefix + one corrected/bonus token per sequence
-  commit   popn the rejected tokens in the target cache (the proposer rolls back its own);
-           statistics, acceptance and step costs; tokens appended with stop checks; finished
-           sequences free their pages at once
+A step reads as schedule -> execute -> commit -> process:
+  schedule  admission; the prefill chunk; which sequences decode (the newest requests are
+            preempted while one step of all does not fit in the cache) and how many drafts
+            each gets: the speculation policy, called once with the batch and measured costs
+  execute   the forward passes and sampling, nothing else: proposer.propose -> drafts;
+            target.decode when nothing was drafted, else evaluate_multi_query over [pending
+            token + drafts] of every sequence (ragged) and the compiled verification
+            (runtime/sampler.py) -> accepted prefix + one corrected/bonus token per sequence
+  commit    popn the rejected tokens (the proposer rolls back its own); statistics,
+            acceptance, step costs; token ids appended up to EOS, a stop token or max_tokens;
+            finished sequences free their pages at once
+  process   logprobs, text, stop strings, and the increments the caller streams
+
+With ``async_scheduling`` the execute phase runs on a worker thread (TVM releases the GIL
+during its calls): ``step`` commits the step launched last time, schedules and launches the
+next one, and only then processes the committed tokens, so text, stop strings, streaming and
+the caller's own work overlap the forward instead of delaying it. Commit and schedule see
+exactly what they see without it; the one difference is a stop string, found only by
+processing: its sequence was already launched into the next step, whose tokens for it are
+discarded (its KV freed with it), so nothing past the stop reaches a client. The KV cache is
+touched only while no step is in flight.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import tvm.runtime
@@ -30,9 +41,10 @@ from mlc_spec.errors import UserError
 from .logprobs import token_logprobs
 from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
 from .model import Model, chunk_rounds
+from .output_processor import OutputProcessor, SequenceOutput
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
-from .request import CompletionOutput, Request, RequestOutput, Sequence, Status
+from .request import Request, RequestOutput, Sequence, Status
 from .rows import Rows, take
 from .sampler import DraftProbs
 from .scheduler import SEQUENCE_PAGE_SLACK, Scheduler, pages
@@ -51,6 +63,30 @@ __all__ = ["Engine", "EngineConfig"]
 
 
 @dataclasses.dataclass
+class PrefillWork:
+    """One prefill pass: preempted sequences recomputing their KV (no logits needed), and
+    prompt chunks; ``completes[i]``: ``fresh[i]``'s chunk ends its prompt, so its request
+    samples its first token(s) from the pass."""
+
+    restored: list[tuple[Sequence, list[int]]]
+    fresh: list[tuple[Sequence, list[int]]]
+    completes: list[bool]
+
+    def in_cache(self) -> PrefillWork | None:
+        """Without the sequences preempted since it was planned (``None`` if that is all)."""
+        fresh = [(f, c) for f, c in zip(self.fresh, self.completes, strict=True) if f[0].in_cache]
+        restored = [(s, t) for s, t in self.restored if s.in_cache]
+        if not (fresh or restored):
+            return None
+        return PrefillWork(restored, [f for f, _ in fresh], [c for _, c in fresh])
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    first: list[tuple[Sequence, int, Rows]]  # (sequence, first token, its logits row)
+
+
+@dataclasses.dataclass
 class StepPlan:
     seqs: list[Sequence]
     num_draft: list[int]  # drafts asked of the proposer per sequence
@@ -65,8 +101,28 @@ class StepResult:
     emitted: list[np.ndarray]  # accepted drafts + the target's token, per sequence
     rows: list[Rows]  # the target's logits row each emitted token came from, per sequence
     started: float  # perf_counter when execution began
+    ended: float  # ... and when it ended
     draft_seconds: float
     target_seconds: float  # the target's pass and sampling
+
+
+@dataclasses.dataclass
+class Emitted:
+    """Tokens a step committed to one sequence, waiting to be processed into text."""
+
+    seq: Sequence
+    tokens: list[int]
+    rows: Rows  # the target's logits row of each token
+
+
+Work = PrefillWork | StepPlan
+
+
+@dataclasses.dataclass
+class InFlight:
+    works: list[Work]
+    result: Future  # -> list of PrefillResult | StepResult, one per work
+    free_pages: int  # when it was launched; the cache itself is the worker's until collected
 
 
 @dataclasses.dataclass
@@ -103,6 +159,7 @@ class Engine:
         self.capacity_pages = self.kv.available_pages()
         self.scheduler = Scheduler(config.max_batch_size, self.kv.page_size)
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
+        self.outputs = OutputProcessor(tokenizer)
         self.stats = SpecStats()
         self.timers = Timers()
         self.num_preemptions = 0
@@ -114,6 +171,14 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="mlc-spec-step")
+            if config.async_scheduling
+            else None
+        )
+        self._in_flight: InFlight | None = None
+        self._unprocessed: list[Emitted] = []  # committed while collecting outside ``step``
+        self._stopped: list[Sequence] = []  # stopped by a string while a step was in flight
         if speculative is not None and speculative.auto:
             self._warm_up()
 
@@ -163,16 +228,28 @@ class Engine:
                 "raise max_total_len / max_batch_size"
             )
         request = Request(request_id, prompt, ids, params, arrival)
-        request.sequences = [Sequence(request, i, next(self._seq_ids)) for i in range(params.n)]
+        request.sequences = [
+            Sequence(
+                request,
+                i,
+                next(self._seq_ids),
+                SequenceOutput(params.stop, params.logprobs is not None),
+            )
+            for i in range(params.n)
+        ]
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> None:
-        """Drop a request and free its pages (finished requests are simply forgotten)."""
+        """Drop a request and free its pages (finished requests are simply forgotten). A step
+        in flight is collected first, since only then is the cache free to change."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        if self._in_flight is not None:
+            self._unprocessed += self._collect()
+        self._unprocessed = [e for e in self._unprocessed if e.seq.request is not request]
         for seq in request.unfinished:
             seq.finish_reason = "abort"
             self._free(seq)
@@ -182,7 +259,12 @@ class Engine:
             self.scheduler.finish(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, a step in flight, or committed tokens not yet reported."""
+        return (
+            self.scheduler.has_unfinished()
+            or self._in_flight is not None
+            or bool(self._unprocessed)
+        )
 
     def max_sequence_len(self, n: int = 1) -> int:
         """The longest prompt + output each of ``n`` samples may have: the model's context, or
@@ -192,28 +274,91 @@ class Engine:
 
     def occupancy(self) -> Occupancy:
         """Requests running and waiting, KV pages free: what a server reports as load."""
+        in_flight = self._in_flight
         return Occupancy(
             len(self.scheduler.running),
             len(self.scheduler.waiting),
-            self.kv.available_pages(),
+            self.kv.available_pages() if in_flight is None else in_flight.free_pages,
             self.capacity_pages,
         )
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every request by one step; returns the increments of the requests that
-        produced tokens (finished requests are forgotten after they are reported)."""
-        for request in self.scheduler.admit(self.kv.available_pages() - self._prefill_reserve()):
-            for seq in self._to_feed(request):
-                self._enter_cache(seq)
-        with self.timers("prefill"):
-            advanced = self._prefill_chunk()
-        if not advanced:  # a first token is reported as soon as it is sampled; decode waits
-            plan = self._plan()
-            if plan.seqs:
-                advanced = self._commit(plan, self._execute(plan))
-        requests = {s.request.request_id: s.request for s in advanced}
-        return [self._delta(r) for r in requests.values()]
+        produced tokens (finished requests are forgotten after they are reported). With
+        ``async_scheduling`` the step launched now is collected by the next call, which
+        reports its tokens."""
+        committed, self._unprocessed = self._unprocessed, []
+        if self._in_flight is not None:
+            committed += self._collect()
+        works = self._schedule()
+        if works and self._worker is not None:
+            free = self.kv.available_pages()
+            self._in_flight = InFlight(works, self._worker.submit(self._execute_all, works), free)
+        elif works:
+            committed += self._commit_all(works, self._execute_all(works))
+        with self.timers("process"):
+            outputs = self._process(committed)
+        if self._in_flight is not None and all(
+            s.finished for s in self._sequences(self._in_flight.works)
+        ):  # every sequence in flight was stopped by a string: nothing in it is wanted
+            self._collect()
+        return outputs
+
+    def _schedule(self) -> list[Work]:
+        """Admit what fits, then the step's passes: the next prefill chunk, and a decode step
+        unless that chunk completes a prompt (its first tokens are reported first)."""
+        with self.timers("schedule"):
+            for request in self.scheduler.admit(
+                self.kv.available_pages() - self._prefill_reserve()
+            ):
+                for seq in self._to_feed(request):
+                    self._enter_cache(seq)
+            prefill, plan = self._plan_prefill(), None
+            if prefill is None or not any(prefill.completes):
+                plan = self._plan()
+                if prefill is not None:  # the decode step may have preempted a prompt's request
+                    prefill = prefill.in_cache()
+            return [w for w in (prefill, plan) if w is not None and (w is prefill or w.seqs)]
+
+    def _execute_all(self, works: list[Work]) -> list[PrefillResult | StepResult]:
+        """The passes of one step (on the worker thread with ``async_scheduling``)."""
+        with self.timers("execute"):
+            return [
+                self._prefill(w) if isinstance(w, PrefillWork) else self._execute(w) for w in works
+            ]
+
+    def _commit_all(
+        self, works: list[Work], results: list[PrefillResult | StepResult]
+    ) -> list[Emitted]:
+        with self.timers("commit"):
+            committed = []
+            for work, result in zip(works, results, strict=True):
+                if isinstance(work, PrefillWork):
+                    committed += self._commit_prefill(work, result)
+                else:
+                    committed += self._commit(work, result)
+            for seq in self._stopped:  # their KV can change now
+                self._free(seq)
+            self._stopped.clear()
+            return committed
+
+    def _collect(self) -> list[Emitted]:
+        """Wait for the step in flight and commit it."""
+        in_flight, self._in_flight = self._in_flight, None
+        with self.timers("wait"):
+            results = in_flight.result.result()
+        return self._commit_all(in_flight.works, results)
+
+    @staticmethod
+    def _sequences(works: list[Work]) -> list[Sequence]:
+        seqs = []
+        for work in works:
+            if isinstance(work, PrefillWork):
+                seqs += [s for s, _ in work.restored + work.fresh]
+            else:
+                seqs += work.seqs
+        return seqs
 
     # ---- prefill ------------------------------------------------------------------------
     def _to_feed(self, request: Request) -> list[Sequence]:
@@ -244,54 +389,68 @@ class Engine:
             for s in self._prefilling()
         )
 
-    def _prefill_chunk(self) -> list[Sequence]:
-        """One prefill pass; returns the sequences that got their first token from it."""
+    def _plan_prefill(self) -> PrefillWork | None:
+        """The next prefill pass: as many pending prompt (or history) tokens as one pass
+        takes, first come first served."""
         seqs = self._prefilling()
         if not seqs:
-            return []
+            return None
         feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]
         rows, chunks = next(chunk_rounds(feeds, self.config.prefill_chunk_size))
-        fresh = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
-        restored = [(s, t) for s, t in fresh if s.output_ids]
-        fresh = [(s, t) for s, t in fresh if not s.output_ids]
-        if restored:  # preempted sequences: recompute their KV, no logits needed
-            self.target.evaluate_multi_query(
-                self.kv, [s.seq_id for s, _ in restored], [t for _, t in restored]
-            )
-        logits = (
-            self.target.prefill(self.kv, [s.seq_id for s, _ in fresh], [t for _, t in fresh])
-            if fresh
-            else None
+        chunked = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
+        fresh = [(s, t) for s, t in chunked if not s.output_ids]
+        return PrefillWork(
+            [(s, t) for s, t in chunked if s.output_ids],
+            fresh,
+            [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
         )
-        for s, t in restored + fresh:
-            s.kv_len += len(t)
-        done = [(i, s) for i, (s, _) in enumerate(fresh) if s.kv_len == s.num_prompt]
-        if not done:
-            return []
-        return self._first_tokens([s.request for _, s in done], logits, [i for i, _ in done])
 
-    def _first_tokens(
-        self, requests: list[Request], logits: tvm.runtime.Tensor, prompt_rows: list[int]
-    ) -> list[Sequence]:
-        """Sample each sample's first token from its prompt's logits row; ``n > 1`` samples
-        share the prompt's KV pages through ``fork_sequence``."""
+    def _prefill(self, work: PrefillWork) -> PrefillResult:
+        """Run a prefill pass; requests whose prompt it completes sample their first tokens,
+        each sample of ``n > 1`` from the prompt's KV pages, shared through
+        ``fork_sequence``."""
+        with self.timers("prefill"):
+            if work.restored:
+                self.target.evaluate_multi_query(
+                    self.kv, [s.seq_id for s, _ in work.restored], [t for _, t in work.restored]
+                )
+            if not work.fresh:
+                return PrefillResult([])
+            logits = self.target.prefill(
+                self.kv, [s.seq_id for s, _ in work.fresh], [t for _, t in work.fresh]
+            )
         seqs, rows = [], []
-        for row, request in zip(prompt_rows, requests, strict=True):
-            parent = request.sequences[0]
-            for seq in request.sequences[1:]:
+        for row, ((parent, _), done) in enumerate(zip(work.fresh, work.completes, strict=True)):
+            if not done:
+                continue
+            for seq in parent.request.sequences[1:]:
                 self.kv.fork_sequence(parent.seq_id, seq.seq_id)
-                seq.in_cache, seq.kv_len = True, parent.kv_len
-            seqs += request.sequences
-            rows += [row] * len(request.sequences)
+            seqs += parent.request.sequences
+            rows += [row] * len(parent.request.sequences)
+        if not seqs:
+            return PrefillResult([])
         with self.timers("sample"):
             tokens = self.target.sampler.sample_logits(
                 take(logits, rows),
                 [s.params for s in seqs],
                 np.array([s.rng.random() for s in seqs]),
             )
-        for seq, token, row in zip(seqs, tokens, rows, strict=True):
-            self._append(seq, [int(token)], Rows(logits, row, row + 1))
-        return seqs
+        return PrefillResult(
+            [
+                (s, int(t), Rows(logits, r, r + 1))
+                for s, t, r in zip(seqs, tokens, rows, strict=True)
+            ]
+        )
+
+    def _commit_prefill(self, work: PrefillWork, result: PrefillResult) -> list[Emitted]:
+        for seq, tokens in work.restored + work.fresh:
+            seq.kv_len += len(tokens)
+        committed = []
+        for seq, token, row in result.first:
+            if seq.index > 0:  # a sample forked from its prompt's sequence
+                seq.in_cache, seq.kv_len = True, seq.request.sequences[0].kv_len
+            committed.append(self._append(seq, [token], row))
+        return committed
 
     # ---- decode: plan -> execute -> commit ----------------------------------------------
     def _plan(self) -> StepPlan:
@@ -369,8 +528,9 @@ class Engine:
             per_seq,
             [Rows(logits, a, a + len(t)) for a, t in zip(starts, per_seq, strict=True)],
             started,
+            (ended := time.perf_counter()),
             drafted - started,
-            time.perf_counter() - drafted,
+            ended - drafted,
         )
 
     def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, tvm.runtime.Tensor]:
@@ -404,33 +564,39 @@ class Engine:
             )
         return accepted, emitted, logits
 
-    def _commit(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """Apply a step's outcome; returns the sequences it advanced."""
-        seqs = plan.seqs
-        for seq, k, a in zip(seqs, result.num_draft, result.accepted, strict=True):
+    def _commit(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
+        """Apply a step's outcome to the sequences it advanced. A sequence stopped by a string
+        after this step was launched is skipped: its tokens are discarded and the pages they
+        took go with it (``_commit_all`` frees it next)."""
+        live = [i for i, s in enumerate(plan.seqs) if not s.finished]
+        seqs = [plan.seqs[i] for i in live]
+        num_draft, accepted = result.num_draft[live], result.accepted[live]
+        for seq, k, a in zip(seqs, num_draft, accepted, strict=True):
             self.kv.popn(seq.seq_id, int(k - a))
             seq.kv_len += int(a) + 1
             seq.stats.record(int(k), int(a))
             self.stats.record(int(k), int(a))
         if self.proposer is not None:
-            asked = [i for i, k in enumerate(plan.num_draft) if k > 0]
+            asked = [j for j, k in enumerate(num_draft) if k > 0]
             if asked:
                 self.proposer.on_verified(
-                    [seqs[i] for i in asked],
-                    [int(result.num_draft[i]) for i in asked],
-                    [int(result.accepted[i]) for i in asked],
+                    [seqs[j] for j in asked],
+                    [int(num_draft[j]) for j in asked],
+                    [int(accepted[j]) for j in asked],
                 )
             self.acceptance.fade([s.seq_id for s in seqs])
-            for seq, k, a, chosen in zip(
-                seqs, result.num_draft, result.accepted, plan.num_draft, strict=True
-            ):
+            for seq, k, a, i in zip(seqs, num_draft, accepted, live, strict=True):
                 self.acceptance.observe(seq.seq_id, int(k), int(a))
-                seq.stats.record_choice(chosen)
-        for seq, tokens, rows in zip(seqs, result.emitted, result.rows, strict=True):
-            self._append(seq, [int(t) for t in tokens], rows)
+                seq.stats.record_choice(plan.num_draft[i])
+        committed = [
+            self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
+            for i, seq in zip(live, seqs, strict=True)
+        ]
         if self.proposer is not None:
-            self._record_costs(plan, result, time.perf_counter() - result.started)
-        return seqs
+            # Overlapped, the host's work is off the step's time; in series it is on it.
+            end = time.perf_counter() if self._worker is None else result.ended
+            self._record_costs(plan, result, end - result.started)
+        return committed
 
     def _record_costs(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         """Feed the step's measured times to the cost model and the decision log."""
@@ -457,42 +623,55 @@ class Engine:
             self._free(seq)
 
     # ---- tokens, stops, outputs ---------------------------------------------------------
-    def _append(self, seq: Sequence, tokens: list[int], logits: np.ndarray) -> None:
-        """Append accepted tokens one by one, honouring EOS, stop tokens, stop strings and
-        max_tokens inside the run; tokens past a stop are dropped with the sequence's KV.
-        ``logits[i]`` is the target's row that ``tokens[i]`` was sampled or verified from."""
-        params = seq.params
-        scored = (
-            token_logprobs(logits, tokens, params.logprobs) if params.logprobs is not None else []
-        )
-        for i, token in enumerate(tokens):
+    def _append(self, seq: Sequence, tokens: list[int], rows: Rows) -> Emitted:
+        """Append a step's token ids, up to EOS, a stop token or max_tokens (the ones past it
+        are dropped with the sequence's KV); ``rows[i]`` is the target's logits row that
+        ``tokens[i]`` was sampled or verified from."""
+        params, kept = seq.params, 0
+        for token in tokens:
             seq.tokens.append(token)
-            if scored:
-                seq.logprobs.append(scored[i])
-            stop_token = token in params.stop_token_ids or (
-                token in self.eos_ids and not params.ignore_eos
-            )
-            if stop_token or (params.stop and self._hit_stop_string(seq)):
+            kept += 1
+            if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
                 seq.finish_reason = "stop"
             elif seq.tokens_left == 0:
                 seq.finish_reason = "length"
             if seq.finished:
+                self._finish(seq)
                 break
-        if not (params.stop and seq.finished):
-            seq.text = self.tokenizer.decode(seq.output_ids)
-        if seq.finished:
-            self._free(seq)
-            if not seq.request.unfinished:
-                self.scheduler.finish(seq.request)
+        return Emitted(seq, tokens[:kept], rows[:kept])
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids)
-        window = max(len(s) for s in seq.params.stop) + 8
-        hits = [
-            i for s in seq.params.stop if (i := text.find(s, max(0, len(seq.text) - window))) >= 0
-        ]
-        seq.text = text[: min(hits)] if hits else text
-        return bool(hits)
+    def _finish(self, seq: Sequence) -> None:
+        """Free a finished sequence's pages, now or, while a step is in flight, when it is
+        collected; a request is done when all its samples are."""
+        if self._in_flight is None:
+            self._free(seq)
+        else:
+            self._stopped.append(seq)
+        if not seq.request.unfinished and seq.request.status == Status.RUNNING:
+            self.scheduler.finish(seq.request)
+
+    def _process(self, committed: list[Emitted]) -> list[RequestOutput]:
+        """Logprobs, text and stop strings of committed tokens; the increments to report. A
+        stop string ends its sequence here: the tokens after it are cut off (``output_end``,
+        leaving ``tokens`` alone, which a step in flight may be reading)."""
+        requests = {}
+        for emitted in committed:
+            seq = emitted.seq
+            if seq.request.request_id not in self._requests:
+                continue  # aborted after its tokens were committed
+            params = seq.params
+            scored = (
+                token_logprobs(emitted.rows, emitted.tokens, params.logprobs)
+                if params.logprobs is not None
+                else None
+            )
+            if self.outputs.process(seq.output, emitted.tokens, scored, finished=seq.finished):
+                seq.output_end = seq.num_prompt + len(seq.output.token_ids)
+                was_running, seq.finish_reason = not seq.finished, "stop"
+                if was_running:
+                    self._finish(seq)
+            requests[seq.request.request_id] = seq.request
+        return [self._delta(r) for r in requests.values()]
 
     def _enter_cache(self, seq: Sequence) -> None:
         self.kv.add_sequence(seq.seq_id)
@@ -508,20 +687,10 @@ class Engine:
             self.acceptance.forget(seq.seq_id)
 
     def _delta(self, request: Request) -> RequestOutput:
-        outputs = []
-        for seq in request.sequences:
-            text = seq.text if seq.finished else seq.text.rstrip("\ufffd")  # half a character
-            outputs.append(
-                CompletionOutput(
-                    seq.index,
-                    text[seq.sent_text :],
-                    seq.output_ids[seq.sent_tokens :],
-                    seq.finish_reason,
-                    seq.stats,
-                    seq.logprobs[seq.sent_tokens :] if seq.params.logprobs is not None else None,
-                )
-            )
-            seq.sent_text, seq.sent_tokens = len(text), len(seq.output_ids)
+        outputs = [
+            s.output.completion(s.index, s.finish_reason, s.stats, delta=True)
+            for s in request.sequences
+        ]
         finished = not request.unfinished
         if finished:
             self._requests.pop(request.request_id, None)

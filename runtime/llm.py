@@ -13,7 +13,7 @@ from .engine import Engine
 from .model import Model
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import build_proposer
-from .request import CompletionOutput, Request, RequestOutput
+from .request import Request, RequestOutput
 from .tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -28,11 +28,12 @@ class LLM:
         max_batch_size: int = 8,
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
+        async_scheduling: bool = False,
     ):
         self.speculative = SpeculativeConfig.parse(speculative, draft_model is not None)
         self.model = Model(model)
         self.tokenizer = Tokenizer(model)
-        config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size)
+        config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size, async_scheduling)
         proposer = build_proposer(self.speculative, draft_model, self.model, self.tokenizer, config)
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.speculative)
 
@@ -118,14 +119,7 @@ class LLM:
     @staticmethod
     def _final(request: Request) -> RequestOutput:
         outputs = [
-            CompletionOutput(
-                s.index,
-                s.text,
-                s.output_ids,
-                s.finish_reason,
-                s.stats,
-                s.logprobs if s.params.logprobs is not None else None,
-            )
+            s.output.completion(s.index, s.finish_reason, s.stats, delta=False)
             for s in request.sequences
         ]
         return RequestOutput(

@@ -120,10 +120,12 @@ class SpeculationLog:
 
 
 class Timers:
-    """Seconds spent per phase (prefill, draft, verify, sample), accumulated over steps."""
+    """Seconds spent per phase (schedule, execute, commit, process; within execute: draft,
+    decode, verify, sample) and how often it ran, accumulated over steps."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -132,3 +134,4 @@ class Timers:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - t0
+            self.calls[phase] += 1

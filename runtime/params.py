@@ -128,3 +128,6 @@ class EngineConfig:
     max_batch_size: int = 8  # sequences decoded together
     max_total_len: int = 8192  # tokens the KV cache holds, all sequences together
     prefill_chunk_size: int = 512  # tokens per prefill forward pass
+    # Run each step's forward on a worker thread while the host processes the last step's
+    # tokens (text, stop strings, streaming); outputs are the same either way.
+    async_scheduling: bool = False

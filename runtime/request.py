@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .logprobs import TokenLogprob
 from .metrics import SpecStats
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from .output_processor import SequenceOutput
 
 
 class Status(enum.Enum):
@@ -23,19 +27,17 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request: Request, index: int, seq_id: int):
+    def __init__(self, request: Request, index: int, seq_id: int, output: SequenceOutput):
         self.request = request
         self.index = index
         self.seq_id = seq_id
         self.tokens: list[int] = list(request.prompt_token_ids)
         self.kv_len = 0
         self.in_cache = False
-        self.sent_tokens = 0  # streamed so far
-        self.sent_text = 0
         self.finish_reason: str | None = None
-        self.text = ""
+        self.output_end: int | None = None  # where a stop string cut the tokens off
+        self.output = output  # text, logprobs and what was streamed: the output processor's
         self.stats = SpecStats()
-        self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
         seed = request.params.seed
         entropy = None if seed is None else [seed, index]
         # Target sampling and acceptance draw from one stream, the draft from another, so a
@@ -53,7 +55,11 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
+        return self.tokens[self.num_prompt : self.output_end]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
 
     @property
     def finished(self) -> bool:
@@ -66,7 +72,7 @@ class Sequence:
 
     @property
     def tokens_left(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.params.max_tokens - self.num_output
 
 
 @dataclasses.dataclass

@@ -60,6 +60,15 @@ class Rows:
     start: int
     stop: int
 
+    def __getitem__(self, index: slice) -> Rows:
+        start, stop, step = index.indices(self.stop - self.start)
+        if step != 1:
+            raise ValueError("device rows are sliced contiguously")
+        return Rows(self.tensor, self.start + start, self.start + max(start, stop))
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        rows = _view(self.tensor, self.start, self.stop).numpy()
+        if self.stop == self.start:
+            rows = np.empty((0, self.tensor.shape[1]), self.tensor.dtype)
+        else:
+            rows = _view(self.tensor, self.start, self.stop).numpy()
         return rows if dtype is None else rows.astype(dtype)

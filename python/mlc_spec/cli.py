@@ -40,20 +40,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 def _default_artifact() -> Path:
     """The embedded default: SmolLM2-135M-Instruct from its PyPI package, compiled for this
-    CPU once and cached beside the download, under a name that changes with the CPU and the
-    artifact format (a cache that moved to another machine, or an older mlc-spec's, is not
-    reused)."""
-    from mlc_spec.compiler.compile import compile_model
-    from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
-    from mlc_spec.compiler.targets import make_target
-    from mlc_spec.runtime.artifact import FORMAT_VERSION
+    CPU once and cached."""
+    from mlc_spec.compiler.cache import compiled
 
-    cpu = make_target("llvm").attrs["mcpu"]
-    name = f"{DEFAULT_MODEL}-llvm-{cpu}-v{FORMAT_VERSION}"
-    artifact = default_cache_dir() / "artifacts" / name
-    if not artifact.exists():
-        compile_model(fetch(DEFAULT_MODEL), "llvm", artifact)
-    return artifact
+    return compiled(DEFAULT_MODEL)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -97,6 +87,7 @@ def _serve(args: argparse.Namespace) -> None:
         speculative=_speculative(args),
         max_batch_size=args.max_batch_size,
         max_total_len=args.max_total_len,
+        async_scheduling=args.async_scheduling,
     )
     name = args.served_model_name or Path(model).name
     serve(llm, name, args.host, args.port, args.max_waiting, lambda line: print(line, flush=True))
@@ -224,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests queued beyond the batch; past this, 503 with Retry-After (default 256)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each step's forward while the last step's tokens are turned into text and "
+        "streamed (default: on)",
     )
     p.set_defaults(run=_serve)
 
