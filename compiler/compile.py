@@ -29,6 +29,7 @@ from .errors import CompileError
 from .pipeline import relax_pipeline
 from .progress import Progress
 from .quantization.plan import Quantize, plan_quantization
+from .sampler import attach_sampler
 from .sources import ModelSource, load_source
 from .targets import (
     ATTENTION,
@@ -140,6 +141,7 @@ def _write_artifact(
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
             kernels.enter_context(flashinfer.jit_build(cuda_arch))
         ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
+    ir_module = attach_sampler(ir_module, cfg.vocab_size)
     link_options = None
     if module.extern_mods:
         ir_module = ir_module.with_attr("external_mods", module.extern_mods)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from .cpu_rule import CPURule
+from .cpu_rule import CPURule, find_block
 
 _LANES = 16
 
@@ -17,7 +17,8 @@ class CPUElementwise(CPURule):
     axis vectorised (when its extent allows) and all the rest fused into one parallel loop."""
 
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
-        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        root = find_block(sch, "root")  # none in an extern kernel (argsort, cumsum)
+        blocks = sch.get_child_blocks(root) if root is not None else []
         if not blocks or not all(_is_spatial(sch, b) for b in blocks):
             return None
         try:

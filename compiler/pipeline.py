@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax as rx
 from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from .cpu_attention import CPUAttention
@@ -14,25 +15,47 @@ from .gpu_tensorize import SkipTensorize
 from .noalias import MarkShapeFuncNoAlias
 
 
-def _schedule_rules(target: Target) -> list:
+class _Guarded(ScheduleRule):
+    """A dlight rule whose analysis asserts on reads at data-dependent indices (the sampler's
+    gathers, ``compiler/sampler.py``) instead of declining them: such a function is not the
+    rule's kind, so the next rule gets it."""
+
+    def __init__(self, rule: ScheduleRule):
+        self.rule = rule
+
+    def is_target_available(self, target: Target) -> bool:
+        return self.rule.is_target_available(target)
+
+    def apply(self, func, target: Target, tunable: bool):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except AssertionError:
+            return None
+
+
+def _schedule_rules(target: Target) -> list[ScheduleRule]:
     if target.kind.name == "llvm":
-        return [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise(), CPUAttention()]
-    return [
-        dl.gpu.Matmul(),
-        dl.gpu.GEMV(),
-        dl.gpu.LowBatchGEMV(),
-        dl.gpu.Reduction(),
-        dl.gpu.GeneralReduction(),
-        dl.gpu.Fallback(),
-    ]
+        rules = [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise(), CPUAttention()]
+    else:
+        rules = [
+            dl.gpu.Matmul(),
+            dl.gpu.GEMV(),
+            dl.gpu.LowBatchGEMV(),
+            dl.gpu.Reduction(),
+            dl.gpu.GeneralReduction(),
+            dl.gpu.Fallback(),
+        ]
+    return [_Guarded(rule) for rule in rules]
 
 
 def relax_pipeline(target: Target, dtype: str) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
-    linear layer multiplies by its weight as stored instead of transposing it every call."""
+    linear layer multiplies by its weight as stored instead of transposing it every call;
+    ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels."""
     is_gpu = target.kind.name != "llvm"
     passes = [
         rx.transform.FuseTransposeMatmul(),
+        rx.backend.DispatchSortScan(),
         rx.transform.LegalizeOps(),
         rx.transform.AnnotateTIROpPattern(),
         rx.transform.FoldConstant(),

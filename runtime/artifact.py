@@ -20,8 +20,24 @@ from mlc_spec.errors import UserError
 CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 2
-FUNCTIONS = ("prefill", "decode", "evaluate_multi_query", "create_paged_kv_cache")
+FORMAT_VERSION = 3
+# Sampling and verification on the device, beside the model (compiler/sampler.py builds them,
+# runtime/sampler.py calls them); in this order.
+SAMPLER_FUNCTIONS = (
+    "argmax_tokens",
+    "probs_from_logits",
+    "probs_from_logits_top_kp",
+    "sample_from_probs",
+    "verify_sampled_draft",
+    "verify_point_draft",
+)
+FUNCTIONS = (
+    "prefill",
+    "decode",
+    "evaluate_multi_query",
+    "create_paged_kv_cache",
+    *SAMPLER_FUNCTIONS,
+)
 
 # Storage dtypes of parameters: float weights, and the codes and scales of quantized ones.
 NUMPY_DTYPES = {

@@ -9,8 +9,8 @@ A step reads as schedule -> execute -> commit -> process:
             each gets: the speculation policy, called once with the batch and measured costs
   execute   the forward passes and sampling, nothing else: proposer.propose -> drafts;
             target.decode when nothing was drafted, else evaluate_multi_query over [pending
-            token + drafts] of every sequence (ragged) and rejection_sample -> accepted prefix
-            + one corrected/bonus token per sequence
+            token + drafts] of every sequence (ragged) and the compiled verification
+            (runtime/sampler.py) -> accepted prefix + one corrected/bonus token per sequence
   commit    popn the rejected tokens (the proposer rolls back its own); statistics,
             acceptance, step costs; token ids appended up to EOS, a stop token or max_tokens;
             finished sequences free their pages at once
@@ -34,6 +34,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+import tvm.runtime
 
 from mlc_spec.errors import UserError
 
@@ -43,9 +44,9 @@ from .model import Model, chunk_rounds
 from .output_processor import OutputProcessor, SequenceOutput
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
-from .rejection_sampler import rejection_sample
 from .request import Request, RequestOutput, Sequence, Status
-from .sampling import probs_for, sample_from_probs
+from .rows import Rows, take
+from .sampler import DraftProbs
 from .scheduler import SEQUENCE_PAGE_SLACK, Scheduler, pages
 from .speculation import (
     AcceptanceEstimator,
@@ -82,7 +83,7 @@ class PrefillWork:
 
 @dataclasses.dataclass
 class PrefillResult:
-    first: list[tuple[Sequence, int, np.ndarray]]  # (sequence, first token, its logits row)
+    first: list[tuple[Sequence, int, Rows]]  # (sequence, first token, its logits row)
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ class StepResult:
     num_draft: np.ndarray  # drafts verified per sequence
     accepted: np.ndarray
     emitted: list[np.ndarray]  # accepted drafts + the target's token, per sequence
-    rows: list[np.ndarray]  # the target's logits row each emitted token came from, per sequence
+    rows: list[Rows]  # the target's logits row each emitted token came from, per sequence
     started: float  # perf_counter when execution began
     ended: float  # ... and when it ended
     draft_seconds: float
@@ -111,7 +112,7 @@ class Emitted:
 
     seq: Sequence
     tokens: list[int]
-    rows: np.ndarray  # the target's logits row of each token
+    rows: Rows  # the target's logits row of each token
 
 
 Work = PrefillWork | StepPlan
@@ -429,10 +430,16 @@ class Engine:
         if not seqs:
             return PrefillResult([])
         with self.timers("sample"):
-            probs = probs_for(logits[rows], [s.params for s in seqs])
-            tokens = sample_from_probs(probs, np.array([s.rng.random() for s in seqs]))
+            tokens = self.target.sampler.sample_logits(
+                take(logits, rows),
+                [s.params for s in seqs],
+                np.array([s.rng.random() for s in seqs]),
+            )
         return PrefillResult(
-            [(s, int(t), logits[r : r + 1]) for s, t, r in zip(seqs, tokens, rows, strict=True)]
+            [
+                (s, int(t), Rows(logits, r, r + 1))
+                for s, t, r in zip(seqs, tokens, rows, strict=True)
+            ]
         )
 
     def _commit_prefill(self, work: PrefillWork, result: PrefillResult) -> list[Emitted]:
@@ -505,9 +512,7 @@ class Engine:
             for i, tokens in zip(asked, proposal.tokens, strict=True):
                 drafts[i] = tokens[: plan.num_draft[i]]
             if proposal.probs is not None:
-                draft_probs = np.concatenate(
-                    [p[: len(drafts[i])] for i, p in zip(asked, proposal.probs, strict=True)]
-                )
+                draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
@@ -521,14 +526,14 @@ class Engine:
             num_draft,
             accepted,
             per_seq,
-            [logits[a : a + len(t)] for a, t in zip(starts, per_seq, strict=True)],
+            [Rows(logits, a, a + len(t)) for a, t in zip(starts, per_seq, strict=True)],
             started,
             (ended := time.perf_counter()),
             drafted - started,
             ended - drafted,
         )
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, tvm.runtime.Tensor]:
         """The plain step: one token per sequence, no draft forward, no verification;
         ``(tokens, logits)``."""
         with self.timers("decode"):
@@ -536,33 +541,26 @@ class Engine:
                 self.kv, [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
             )
         with self.timers("sample"):
-            probs = probs_for(logits, [s.params for s in seqs])
-            return sample_from_probs(probs, np.array([s.rng.random() for s in seqs])), logits
+            uniforms = np.array([s.rng.random() for s in seqs])
+            tokens = self.target.sampler.sample_logits(logits, [s.params for s in seqs], uniforms)
+        return tokens, logits
 
     def _verify(
         self,
         seqs: list[Sequence],
         drafts: list[np.ndarray],
         num_draft: np.ndarray,
-        draft_probs: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        draft_probs: DraftProbs | None,
+    ) -> tuple[np.ndarray, np.ndarray, tvm.runtime.Tensor]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
         ``(accepted per sequence, emitted tokens concatenated, the pass's logits)``."""
         with self.timers("verify"):
             inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
             logits = self.target.evaluate_multi_query(self.kv, [s.seq_id for s in seqs], inputs)
         with self.timers("sample"):
-            row_params = [
-                s.params for s, k in zip(seqs, num_draft, strict=True) for _ in range(k + 1)
-            ]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
-            accepted, emitted = rejection_sample(
-                np.concatenate(drafts),
-                num_draft,
-                draft_probs,
-                probs_for(logits, row_params),
-                np.concatenate([u[:-1] for u in uniforms]),
-                np.array([u[-1] for u in uniforms]),
+            accepted, emitted = self.target.sampler.verify(
+                logits, [s.params for s in seqs], drafts, draft_probs, uniforms
             )
         return accepted, emitted, logits
 
@@ -625,7 +623,7 @@ class Engine:
             self._free(seq)
 
     # ---- tokens, stops, outputs ---------------------------------------------------------
-    def _append(self, seq: Sequence, tokens: list[int], rows: np.ndarray) -> Emitted:
+    def _append(self, seq: Sequence, tokens: list[int], rows: Rows) -> Emitted:
         """Append a step's token ids, up to EOS, a stop token or max_tokens (the ones past it
         are dropped with the sequence's KV); ``rows[i]`` is the target's logits row that
         ``tokens[i]`` was sampled or verified from."""

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 @dataclasses.dataclass
@@ -20,9 +21,10 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens, best first
 
 
-def token_logprobs(logits: np.ndarray, tokens: Sequence[int], num_top: int) -> list[TokenLogprob]:
+def token_logprobs(logits: ArrayLike, tokens: Sequence[int], num_top: int) -> list[TokenLogprob]:
     """Score ``tokens[i]`` under row ``i`` of ``logits`` ``[len(tokens), V]`` and list each
-    row's ``num_top`` most likely tokens."""
+    row's ``num_top`` most likely tokens. ``logits`` may be device rows (``rows.Rows``): they
+    come to the host here, for the requests that ask, and only then."""
     x = np.asarray(logits, dtype=np.float64)
     peak = x.max(axis=1, keepdims=True)
     logp = x - (peak + np.log(np.exp(x - peak).sum(axis=1, keepdims=True)))

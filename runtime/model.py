@@ -18,6 +18,7 @@ import tvm.runtime
 import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
+from . import rows
 from .artifact import (
     LIBRARY_FILE,
     NUMPY_DTYPES,
@@ -28,6 +29,7 @@ from .artifact import (
     read_config,
 )
 from .kv_cache import PagedKVCache
+from .sampler import Sampler
 
 # TVM 0.27's paged-KV kernels (append, copy, attention) are generated for 16-token pages.
 PAGE_SIZE = 16
@@ -90,7 +92,8 @@ def _load_params(
 
 class Model:
     """One artifact, ready to run: ``prefill``/``decode``/``evaluate_multi_query`` take token
-    ids per sequence and return float32 logits as numpy arrays."""
+    ids per sequence and return float32 logits ``[rows, V]`` on the device, where ``sampler``
+    turns them into tokens."""
 
     def __init__(self, artifact_dir: str | Path):
         self.path = Path(artifact_dir)
@@ -104,6 +107,7 @@ class Model:
         )
         self.params = _load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
         self._fn = {name: self.vm[name] for name in self.config["functions"]}
+        self.sampler = Sampler(self._fn, self.device)
 
     def create_kv_cache(
         self,
@@ -130,22 +134,22 @@ class Model:
     def _ids(self, flat: np.ndarray, shape: tuple[int, ...]) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(flat, dtype=np.int32).reshape(shape), self.device)
 
-    def _run(self, name: str, kv: PagedKVCache, seq_ids, lengths, *inputs) -> np.ndarray:
+    def _run(self, name: str, kv: PagedKVCache, seq_ids, lengths, *inputs) -> tvm.runtime.Tensor:
         kv.begin_forward(seq_ids, lengths)
         try:
             out = self._fn[name](*inputs, kv.handle, self.params)
         finally:
             kv.end_forward()
-        return out[0].numpy()
+        return rows.matrix(out[0])
 
     def prefill(
         self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]
-    ) -> np.ndarray:
+    ) -> tvm.runtime.Tensor:
         """Append each sequence's new tokens; logits of each sequence's last token [b, V]."""
         lengths = [len(t) for t in tokens]
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
         last = np.cumsum(lengths) - 1
-        logits = self._run(
+        return self._run(
             "prefill",
             kv,
             seq_ids,
@@ -153,7 +157,6 @@ class Model:
             self._ids(flat, (1, len(flat))),
             self._ids(last, (len(last),)),
         )
-        return logits[0]
 
     def prefill_chunked(
         self,
@@ -161,35 +164,41 @@ class Model:
         seq_ids: Sequence[int],
         tokens: Sequence[Sequence[int]],
         chunk_size: int,
-    ) -> np.ndarray:
+    ) -> tvm.runtime.Tensor:
         """``prefill`` in forward passes of at most ``chunk_size`` tokens; logits [b, V]."""
-        logits = np.empty((len(seq_ids), self.vocab_size), dtype=np.float32)
-        for rows, chunks in chunk_rounds(tokens, chunk_size):
+        passes = list(chunk_rounds(tokens, chunk_size))
+        logits = None
+        for members, chunks in passes:
             out = self.prefill(
                 kv,
-                [seq_ids[i] for i in rows],
-                [tokens[i][c] for i, c in zip(rows, chunks, strict=True)],
+                [seq_ids[i] for i in members],
+                [tokens[i][c] for i, c in zip(members, chunks, strict=True)],
             )
-            for j, (i, c) in enumerate(zip(rows, chunks, strict=True)):
+            if len(passes) == 1 and len(members) == len(seq_ids):
+                return out
+            logits = rows.empty(len(seq_ids), out) if logits is None else logits
+            for j, (i, c) in enumerate(zip(members, chunks, strict=True)):
                 if c.stop == len(tokens[i]):  # this sequence's last chunk
-                    logits[i] = out[j]
+                    rows.put_row(out, j, logits, i)
         return logits
 
-    def decode(self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    def decode(
+        self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[int]
+    ) -> tvm.runtime.Tensor:
         """One token per sequence; logits [b, V]."""
         b = len(seq_ids)
-        return self._run("decode", kv, seq_ids, [1] * b, self._ids(tokens, (b, 1)))[:, 0]
+        return self._run("decode", kv, seq_ids, [1] * b, self._ids(tokens, (b, 1)))
 
     def evaluate_multi_query(
         self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]
-    ) -> np.ndarray:
+    ) -> tvm.runtime.Tensor:
         """Append several tokens per sequence; logits of every new token, concatenated in
         sequence order [sum(len), V]."""
         lengths = [len(t) for t in tokens]
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
         return self._run(
             "evaluate_multi_query", kv, seq_ids, lengths, self._ids(flat, (1, len(flat)))
-        )[0]
+        )
 
 
 def chunk_rounds(

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+import sampling_oracle
+from compiled_sampling import CompiledSampling, cpu_sampler
 from tiny_models import (
     make_tiny_model,
     perturbed_copy,
@@ -120,3 +122,17 @@ def smollm2_first_layers(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2's first 12 layers: a real-weights draft sharing its vocabulary."""
     out = tmp_path_factory.mktemp("smollm2_draft") / "artifact"
     return compile_model(smollm2_gguf, "llvm", out, show_progress=False, num_layers=12)
+
+
+@pytest.fixture(scope="session")
+def compiled_sampling() -> CompiledSampling:
+    """The artifact's sampling functions compiled alone for the CPU."""
+    return CompiledSampling(cpu_sampler())
+
+
+@pytest.fixture(params=["oracle", "compiled"])
+def sampling(request):
+    """The numpy oracle, and the compiled sampler behind the same functions."""
+    if request.param == "oracle":
+        return sampling_oracle
+    return request.getfixturevalue("compiled_sampling")

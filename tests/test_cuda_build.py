@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import tvm
+from compiled_sampling import compile_sampler
 from tiny_models import make_tiny_model, save_tiny_checkpoint, tiny_config
 
 from mlc_spec.cli import main
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
-from mlc_spec.runtime.artifact import CONFIG_FILE, LIBRARY_FILE, ArtifactError
+from mlc_spec.runtime.artifact import CONFIG_FILE, LIBRARY_FILE, SAMPLER_FUNCTIONS, ArtifactError
 from mlc_spec.runtime.model import Model
 
 
@@ -25,7 +26,24 @@ def _check_artifact(out: Path, dtype: str, attention: str) -> None:
     assert config["target"] == "cuda" and config["model"]["dtype"] == dtype
     assert config["attention"] == attention
     assert '"arch":"sm_90"' in config["target_spec"].replace(" ", "")
-    assert (out / LIBRARY_FILE).read_bytes().count(b"__global__") > 10  # the CUDA kernels
+    library = (out / LIBRARY_FILE).read_bytes()
+    assert library.count(b"__global__") > 10  # the CUDA kernels
+    assert set(SAMPLER_FUNCTIONS) <= set(config["functions"])
+    assert b"argsort_kernel" in library and b"num_accepted_kernel" in library  # the sampler's
+
+
+# The sampler's kernels: sort and scan from DispatchSortScan, the rest scheduled by dlight.
+SAMPLER_KERNELS = (
+    "argsort",
+    "gpu_2d_continuous_cumsum",
+    "argmax",
+    "probs",
+    "kept_probs",
+    "inverse_cdf",
+    "num_accepted",
+    "last_distribution",
+    "emitted",
+)
 
 
 def _run(*command: str | Path) -> str:
@@ -54,6 +72,17 @@ def test_tiny_model_cross_compiles_with_tir_attention(tiny_llama, tmp_path, dtyp
     if not tvm.cuda(0).exist:
         with pytest.raises(ArtifactError, match="no CUDA GPU"):
             Model(out)
+
+
+def test_sampler_functions_cross_compile_for_cuda(tmp_path):
+    """Sampling and verification alone, as every artifact carries them, built for sm_90."""
+    executable = compile_sampler("cuda")
+    text = executable.as_text()
+    assert all(f"@{name}:" in text for name in SAMPLER_FUNCTIONS)
+    executable.export_library(str(tmp_path / "sampler.so"))
+    library = (tmp_path / "sampler.so").read_bytes()
+    for kernel in SAMPLER_KERNELS:
+        assert f" {kernel}_kernel(".encode() in library, kernel
 
 
 def test_flashinfer_attention_is_rejected_for_llvm(tiny_llama, tmp_path, capsys):

@@ -33,14 +33,14 @@ def test_logits_match_transformers(tiny):
     ref = hf_logits(tiny.hf, seq)
     kv = _cache(model)
     kv.add_sequence(0)
-    prefill = model.prefill(kv, [0], [seq[:30]])
-    decodes = np.stack([model.decode(kv, [0], [t])[0] for t in seq[30:38]])
-    verify = model.evaluate_multi_query(kv, [0], [seq[38:]])
+    prefill = model.prefill(kv, [0], [seq[:30]]).numpy()
+    decodes = np.stack([model.decode(kv, [0], [t]).numpy()[0] for t in seq[30:38]])
+    verify = model.evaluate_multi_query(kv, [0], [seq[38:]]).numpy()
     _assert_close(prefill, ref[29:30])
     _assert_close(decodes, ref[30:38])
     _assert_close(verify, ref[38:])
     kv.add_sequence(1)  # 48 rows at once: the matmuls' GEMM path
-    _assert_close(model.evaluate_multi_query(kv, [1], [seq]), ref)
+    _assert_close(model.evaluate_multi_query(kv, [1], [seq]).numpy(), ref)
 
 
 def test_ragged_prefill_and_batched_decode_match_transformers(tiny):
@@ -50,8 +50,8 @@ def test_ragged_prefill_and_batched_decode_match_transformers(tiny):
     kv = _cache(model)
     for i in range(3):
         kv.add_sequence(i)
-    last = model.prefill(kv, [0, 1, 2], [s[:-1] for s in seqs])
-    step = model.decode(kv, [0, 1, 2], [int(s[-1]) for s in seqs])
+    last = model.prefill(kv, [0, 1, 2], [s[:-1] for s in seqs]).numpy()
+    step = model.decode(kv, [0, 1, 2], [int(s[-1]) for s in seqs]).numpy()
     for i, s in enumerate(seqs):
         ref = hf_logits(tiny.hf, s)
         _assert_close(last[i : i + 1], ref[-2:-1])
@@ -71,8 +71,8 @@ def test_multi_query_equals_single_decodes_ragged(tiny, draft_lens):
         kv.add_sequence(i)
         kv.add_sequence(10 + i)
         model.prefill(kv, [i, 10 + i], [p, p])
-    verified = model.evaluate_multi_query(kv, [0, 1, 2], drafts)
-    singles = [model.decode(kv, [10 + i], [t])[0] for i, d in enumerate(drafts) for t in d]
+    verified = model.evaluate_multi_query(kv, [0, 1, 2], drafts).numpy()
+    singles = [model.decode(kv, [10 + i], [t]).numpy()[0] for i, d in enumerate(drafts) for t in d]
     np.testing.assert_allclose(verified, np.stack(singles), atol=1e-5)
     lengths = [len(p) + len(d) for p, d in zip(prompts, drafts, strict=True)]
     assert [kv.sequence_length(i) for i in range(3)] == lengths
@@ -90,9 +90,9 @@ def test_popn_rollback_equals_never_decoded(tiny):
     model.evaluate_multi_query(kv, [0], [draft])
     kv.popn(0, 3)  # keep 2 of 5 draft tokens
     assert kv.sequence_length(0) == len(prompt) + 2
-    after_rollback = model.decode(kv, [0], [nxt])
+    after_rollback = model.decode(kv, [0], [nxt]).numpy()
     model.evaluate_multi_query(kv, [1], [draft[:2]])
-    never_decoded = model.decode(kv, [1], [nxt])
+    never_decoded = model.decode(kv, [1], [nxt]).numpy()
     np.testing.assert_allclose(after_rollback, never_decoded, atol=1e-5)
 
 
@@ -112,5 +112,5 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     seq = np.random.default_rng(5).integers(0, VOCAB, 200)  # past the original context
     kv = _cache(model)
     kv.add_sequence(0)
-    ours = model.evaluate_multi_query(kv, [0], [seq])
+    ours = model.evaluate_multi_query(kv, [0], [seq]).numpy()
     _assert_close(ours, hf_logits(tiny.hf, seq))

@@ -112,9 +112,9 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
     kv.add_sequence(0)
     ours = np.concatenate(
         [
-            model.prefill(kv, [0], [seq[:36]]),
-            np.stack([model.decode(kv, [0], [t])[0] for t in seq[36:38]]),
-            model.evaluate_multi_query(kv, [0], [seq[38:]]),
+            model.prefill(kv, [0], [seq[:36]]).numpy(),
+            np.stack([model.decode(kv, [0], [t]).numpy()[0] for t in seq[36:38]]),
+            model.evaluate_multi_query(kv, [0], [seq[38:]]).numpy(),
         ]
     )
     scale = np.abs(ref).max()

@@ -1,4 +1,5 @@
-"""Speculative acceptance: exact greedy equivalence and statistical losslessness when sampling."""
+"""Speculative acceptance: exact greedy equivalence and statistical losslessness when sampling,
+for the numpy oracle and the compiled verification alike (``sampling`` fixture)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from sampling_oracle import probs_from_logits, rejection_sample, sample_from_probs
 from stats import chi2_rejects
-
-from mlc_spec.runtime.rejection_sampler import rejection_sample
-from mlc_spec.runtime.sampling import probs_from_logits, sample_from_probs
 
 Sampler = Callable[..., tuple[np.ndarray, np.ndarray]]
 
@@ -21,7 +20,7 @@ def split(num_accepted: np.ndarray, tokens: np.ndarray) -> list[list[int]]:
 # --- exact behaviour --------------------------------------------------------------------------
 
 
-def test_hand_computed_ragged_batch() -> None:
+def test_hand_computed_ragged_batch(sampling) -> None:
     num_draft = np.array([2, 0, 1])
     draft_tokens = np.array([0, 1, 2])
     draft_probs = np.array([[0.5, 0.25, 0.25], [0.2, 0.6, 0.2], [0.1, 0.1, 0.8]])
@@ -37,7 +36,7 @@ def test_hand_computed_ragged_batch() -> None:
     )
     # Req 0's residual max(0, [.3, .3, .4] - [.2, .6, .2]) = [.1, 0, .2] -> [1/3, 0, 2/3]; u = 0.5
     # picks token 2. Req 1: u = 0.6 over [.5, .5, 0] picks 1. Req 2's bonus is 1.
-    num_accepted, tokens = rejection_sample(
+    num_accepted, tokens = sampling.rejection_sample(
         draft_tokens,
         num_draft,
         draft_probs,
@@ -50,30 +49,30 @@ def test_hand_computed_ragged_batch() -> None:
     assert split(num_accepted, tokens) == [[0, 2], [1], [2, 1]]
 
 
-def test_deterministic_draft_residual_removes_the_draft_token() -> None:
+def test_deterministic_draft_residual_removes_the_draft_token(sampling) -> None:
     # Point-mass proposal: accept iff u < p_t(x); on rejection x itself can never be emitted.
     target_probs = np.array([[0.6, 0.3, 0.1], [0.0, 0.0, 1.0]])
     for u in np.linspace(0.0, 0.99, 12):
-        num_accepted, tokens = rejection_sample(
+        num_accepted, tokens = sampling.rejection_sample(
             np.array([0]), np.array([1]), None, target_probs, np.array([0.55]), np.array([u])
         )
         assert num_accepted[0] == 1 and tokens.tolist() == [0, 2]
-        num_accepted, tokens = rejection_sample(
+        num_accepted, tokens = sampling.rejection_sample(
             np.array([0]), np.array([1]), None, target_probs, np.array([0.6]), np.array([u])
         )
         assert num_accepted[0] == 0 and tokens.tolist() == [1 if u < 0.75 else 2]
 
 
-def test_empty_residual_falls_back_to_target_row() -> None:
+def test_empty_residual_falls_back_to_target_row(sampling) -> None:
     # p_t(x) = p_d(x) = 0 rejects although p_t == p_d, leaving no residual mass.
     probs = np.array([[0.5, 0.5, 0.0]])
-    num_accepted, tokens = rejection_sample(
+    num_accepted, tokens = sampling.rejection_sample(
         np.array([2]), np.array([1]), probs, np.vstack([probs, probs]), [0.0], np.array([0.7])
     )
     assert num_accepted[0] == 0 and tokens.tolist() == [1]
 
 
-def test_shape_mismatches_raise() -> None:
+def test_oracle_shape_mismatches_raise() -> None:
     target = np.full((3, 4), 0.25)
     with pytest.raises(ValueError):  # target needs sum(k) + B = 4 rows
         rejection_sample(np.array([1, 2]), np.array([2, 0]), None, target, np.zeros(2), np.zeros(2))
@@ -88,7 +87,9 @@ def test_shape_mismatches_raise() -> None:
 
 @pytest.mark.parametrize("draft_kind", ["deterministic", "sampled"])
 @pytest.mark.parametrize("uniform_kind", ["random", "zero", "almost-one"])
-def test_greedy_target_gives_longest_matching_prefix(draft_kind: str, uniform_kind: str) -> None:
+def test_greedy_target_gives_longest_matching_prefix(
+    sampling, draft_kind: str, uniform_kind: str
+) -> None:
     rng = np.random.default_rng(3)
     v = 11
     # (k_i, first mismatching position or None): bonus, none accepted, k = 0, partial prefixes.
@@ -119,7 +120,7 @@ def test_greedy_target_gives_longest_matching_prefix(draft_kind: str, uniform_ki
         "almost-one": (np.full(t, np.nextafter(1.0, 0.0)), np.full(b, np.nextafter(1.0, 0.0))),
     }[uniform_kind]
 
-    num_accepted, tokens = rejection_sample(
+    num_accepted, tokens = sampling.rejection_sample(
         draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u
     )
     assert num_accepted.tolist() == [len(e) - 1 for e in expected]
@@ -131,37 +132,33 @@ def test_greedy_target_gives_longest_matching_prefix(draft_kind: str, uniform_ki
 V, K, PREV0, N_TRIALS = 6, 3, 0, 20_000
 
 
-def resample_from_target(
-    draft_tokens: np.ndarray,
-    num_draft: np.ndarray,
-    draft_probs: np.ndarray | None,
-    target_probs: np.ndarray,
-    accept_u: np.ndarray,
-    sample_u: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+def resample_from_target(sampling) -> Sampler:
     """Broken: correct acceptance test, but a rejected draft is replaced by a fresh target sample
     instead of a residual sample, which over-weights tokens the draft already proposes."""
-    num_accepted, tokens = rejection_sample(
-        draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u
-    )
-    rows = np.cumsum(num_draft) - num_draft + np.arange(num_draft.size) + num_accepted
-    last = np.cumsum(num_accepted + 1) - 1
-    rejected = num_accepted < num_draft
-    tokens[last[rejected]] = sample_from_probs(target_probs[rows[rejected]], sample_u[rejected])
-    return num_accepted, tokens
+
+    def sampler(draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u):
+        num_accepted, tokens = sampling.rejection_sample(
+            draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u
+        )
+        rows = np.cumsum(num_draft) - num_draft + np.arange(num_draft.size) + num_accepted
+        last = np.cumsum(num_accepted + 1) - 1
+        rejected = num_accepted < num_draft
+        fresh = sampling.sample_from_probs(target_probs[rows[rejected]], sample_u[rejected])
+        tokens[last[rejected]] = fresh
+        return num_accepted, tokens
+
+    return sampler
 
 
-def always_accept(
-    draft_tokens: np.ndarray,
-    num_draft: np.ndarray,
-    draft_probs: np.ndarray | None,
-    target_probs: np.ndarray,
-    accept_u: np.ndarray,
-    sample_u: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+def always_accept(sampling) -> Sampler:
     """Broken: accepts every draft, so tokens follow the draft's distribution."""
-    bonus = sample_from_probs(target_probs[np.cumsum(num_draft + 1) - 1], sample_u)
-    return num_draft.copy(), np.insert(draft_tokens, np.cumsum(num_draft), bonus)
+
+    def sampler(draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u):
+        last_rows = np.cumsum(num_draft + 1) - 1
+        bonus = sampling.sample_from_probs(target_probs[last_rows], sample_u)
+        return num_draft.copy(), np.insert(draft_tokens, np.cumsum(num_draft), bonus)
+
+    return sampler
 
 
 class TinyModel:
@@ -234,16 +231,16 @@ PROCESSING = {
 
 @pytest.mark.parametrize("greedy_draft", [False, True], ids=["sampled-draft", "deterministic"])
 @pytest.mark.parametrize("processing", list(PROCESSING))
-def test_sampling_is_lossless(processing: str, greedy_draft: bool) -> None:
+def test_sampling_is_lossless(sampling, processing: str, greedy_draft: bool) -> None:
     model = TinyModel(4, *PROCESSING[processing], greedy_draft=greedy_draft)
-    assert model.mismatch(rejection_sample, seed=5) == (False, False)
+    assert model.mismatch(sampling.rejection_sample, seed=5) == (False, False)
 
 
 @pytest.mark.parametrize("broken", [resample_from_target, always_accept])
 @pytest.mark.parametrize("greedy_draft", [False, True], ids=["sampled-draft", "deterministic"])
 @pytest.mark.parametrize("processing", list(PROCESSING))
 def test_check_detects_broken_acceptance(
-    processing: str, greedy_draft: bool, broken: Sampler
+    sampling, processing: str, greedy_draft: bool, broken: Callable[..., Sampler]
 ) -> None:
     model = TinyModel(4, *PROCESSING[processing], greedy_draft=greedy_draft)
-    assert model.mismatch(broken, seed=5) == (True, True)
+    assert model.mismatch(broken(sampling), seed=5) == (True, True)

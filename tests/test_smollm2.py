@@ -23,9 +23,9 @@ NEW_TOKENS = 32
 def _greedy(model: Model, prompt: list[int]) -> list[int]:
     kv = model.create_kv_cache(max_batch_size=1, max_total_len=512, prefill_chunk_size=128)
     kv.add_sequence(0)
-    out = [int(model.prefill(kv, [0], [prompt])[0].argmax())]
+    out = [int(model.sampler.argmax(model.prefill(kv, [0], [prompt]))[0])]
     while len(out) < NEW_TOKENS:
-        out.append(int(model.decode(kv, [0], [out[-1]])[0].argmax()))
+        out.append(int(model.sampler.argmax(model.decode(kv, [0], [out[-1]]))[0]))
     return out
 
 
@@ -53,7 +53,7 @@ def test_prefill_logits_close_to_transformers(smollm2, smollm2_hf):
     prompt = Tokenizer.from_file(str(smollm2 / "tokenizer.json")).encode(PROMPTS[0]).ids
     kv = model.create_kv_cache(max_batch_size=1, max_total_len=512, prefill_chunk_size=128)
     kv.add_sequence(0)
-    ours = model.evaluate_multi_query(kv, [0], [prompt])
+    ours = model.evaluate_multi_query(kv, [0], [prompt]).numpy()
     with torch.no_grad():
         ref = smollm2_hf(torch.tensor([prompt])).logits[0].numpy()
     assert np.abs(ours - ref).max() < 1e-3 * np.abs(ref).max()

@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import TinyModel
 from policies import RandomK
+from sampling_oracle import probs_for
 from stats import chi2_rejects
 from tiny_models import make_tiny_model, perturbed_copy, tiny_config
 
-import mlc_spec.runtime.engine as engine_module
 from mlc_spec import LLM, SamplingParams
-from mlc_spec.runtime.sampling import probs_for
+from mlc_spec.runtime.sampler import Sampler
 
 V = 8  # a vocabulary small enough to check the joint law of three tokens (512 cells)
 PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repeats, so prompt lookup proposes too
@@ -126,22 +126,15 @@ def test_target_only_sampling_matches_exact_distribution(pair):
     assert not chi2_rejects(counts.ravel(), joint.ravel())
 
 
-def _always_accept(draft_tokens, num_draft, draft_probs, target_probs, accept_u, sample_u):
-    """A broken rule: keeps every draft, then samples the bonus position from the target."""
-    from mlc_spec.runtime.sampling import sample_from_probs
-
-    last_rows = np.cumsum(num_draft + 1) - 1
-    bonus = sample_from_probs(target_probs[last_rows], sample_u)
-    starts = np.concatenate([[0], np.cumsum(num_draft)[:-1]])
-    tokens = [
-        np.append(draft_tokens[s : s + k], b)
-        for s, k, b in zip(starts, num_draft, bonus, strict=True)
-    ]
-    return num_draft.astype(np.int64), np.concatenate(tokens).astype(np.int64)
-
-
 def test_broken_acceptance_rule_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(engine_module, "rejection_sample", _always_accept)
+    """A broken rule: the compiled verification fed zero acceptance uniforms keeps every draft
+    the target gives any probability, so the tokens follow the draft instead."""
+    verify_probs = Sampler.verify_probs
+
+    def accept_all(self, target_probs, drafts, draft_probs, accept_u, sample_u):
+        return verify_probs(self, target_probs, drafts, draft_probs, 0 * accept_u, sample_u)
+
+    monkeypatch.setattr(Sampler, "verify_probs", accept_all)
     counts = sample_counts(_llm(pair, "draft"), PARAMS["temperature 1"])
     joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS["temperature 1"]))
     assert chi2_rejects(counts.ravel(), joint.ravel())

@@ -8,16 +8,18 @@ import dataclasses
 import numpy as np
 
 from ..request import Sequence
+from ..sampler import DraftProbs
 from ..speculation import DraftCosts
 
 
 @dataclasses.dataclass
 class Proposal:
     """Draft tokens per sequence (each at most the number asked for, possibly none) and the
-    distributions they were sampled from, or ``None`` when the proposer is deterministic."""
+    distributions they were sampled from, kept on the device, or ``None`` when the proposal is
+    deterministic (a point mass at each draft)."""
 
     tokens: list[np.ndarray]
-    probs: list[np.ndarray] | None
+    probs: DraftProbs | None
 
 
 class Proposer(abc.ABC):

@@ -6,9 +6,10 @@ import time
 
 import numpy as np
 
+from .. import rows
 from ..model import Model
 from ..request import Sequence
-from ..sampling import probs_for, sample_from_probs
+from ..sampler import DraftProbs
 from ..speculation import DraftCosts
 from ..speculation.warm_up import record, spread, time_passes
 from .base import Proposal, Proposer
@@ -21,7 +22,9 @@ class DraftModelProposer(Proposer):
     prefill, then decodes k-1 more tokens, batched.
 
     Drafts are sampled with each request's own temperature/top-k/top-p, the same processing the
-    target's distribution gets, as lossless rejection sampling requires.
+    target's distribution gets, as lossless rejection sampling requires; their distributions
+    stay on the device for the verification. Greedy drafts of greedy requests are argmaxes, a
+    point mass each: no distributions at all.
     """
 
     def __init__(
@@ -56,15 +59,23 @@ class DraftModelProposer(Proposer):
         ids = [s.seq_id for s in seqs]
         feeds = [s.tokens[self.kv.sequence_length(s.seq_id) :] for s in seqs]
         logits = self.model.prefill_chunked(self.kv, ids, feeds, self.chunk_size)
+        sampler, greedy = self.model.sampler, all(s.params.greedy for s in seqs)
         tokens: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[np.ndarray]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
+        prob_rows: list[list[int]] = [[] for _ in seqs]
+        probs = None if greedy else rows.empty(sum(num_tokens), logits)
+        active, filled = list(range(len(seqs))), 0
         while True:
-            p = probs_for(logits, [seqs[i].params for i in active])
             u = np.array([seqs[i].draft_rng.random() for i in active])
-            for row, (i, tok) in enumerate(zip(active, sample_from_probs(p, u), strict=True)):
+            if greedy:
+                sampled = sampler.argmax(logits)
+            else:
+                p = sampler.probs(logits, [seqs[i].params for i in active])
+                sampled = sampler.sample(p, u)
+                rows.put(p, probs, filled)
+            for row, (i, tok) in enumerate(zip(active, sampled, strict=True)):
                 tokens[i].append(int(tok))
-                probs[i].append(p[row])
+                prob_rows[i].append(filled + row)
+            filled += len(active)
             now = time.perf_counter()
             if len(tokens[active[0]]) == 1:
                 self.costs.first.observe(sum(map(len, feeds)), now - start)
@@ -79,7 +90,7 @@ class DraftModelProposer(Proposer):
             )
         return Proposal(
             tokens=[np.array(t, dtype=np.int64) for t in tokens],
-            probs=[np.stack(p) for p in probs],
+            probs=None if greedy else DraftProbs(probs, [np.array(r) for r in prob_rows]),
         )
 
     def on_verified(self, seqs: list[Sequence], proposed: list[int], accepted: list[int]) -> None:

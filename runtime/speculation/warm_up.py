@@ -10,7 +10,6 @@ import numpy as np
 from ..kv_cache import PagedKVCache
 from ..model import Model
 from ..params import SamplingParams
-from ..sampling import probs_for, sample_from_probs
 from .costs import CostTable
 
 # Tokens each throwaway sequence holds before the timed passes: attention over a short prompt.
@@ -56,8 +55,8 @@ def time_passes(
                 logits = model.decode(kv, rows, [1] * len(rows))
             else:
                 logits = getattr(model, function)(kv, rows, [[1] * n for n in lengths])
-            probs = probs_for(logits, [_SAMPLED] * len(logits))
-            sample_from_probs(probs, rng.random(len(logits)))
+            n = logits.shape[0]
+            model.sampler.sample_logits(logits, [_SAMPLED] * n, rng.random(n))
             seconds.append(time.perf_counter() - start)
             for seq_id, n in zip(rows, lengths, strict=True):
                 kv.popn(seq_id, n)

@@ -1,0 +1,398 @@
+"""Sampling and speculative verification as Relax functions of the artifact, so that logits never
+leave the device: only token ids and accepted counts come back to the host.
+
+Every function is batched with per-row parameters over a symbolic vocabulary and is lowered by
+the same pipeline as the model (``DispatchSortScan`` there gives argsort and cumsum their CPU or
+GPU kernels). No randomness is drawn here: the host passes uniforms in [0, 1) drawn from each
+request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
+
+``argmax_tokens(logits)``
+    greedy tokens, the lowest index on ties.
+``probs_from_logits(logits, temperature)``
+    softmax of ``logits / temperature``; rows with ``temperature == 0`` are the one-hot of the
+    argmax. The runtime calls this when no row of the batch uses top-k or top-p (no sort).
+``probs_from_logits_top_kp(logits, temperature, top_k, top_p)``
+    the same, with top-k (ties at the k-th value kept; ``top_k <= 0`` or ``>= V``: off) and then
+    top-p (the smallest set of most probable tokens reaching ``top_p``, ties ordered by lower
+    token id, the top token always kept), renormalised.
+``sample_from_probs(probs, uniforms)``
+    inverse-CDF sampling scaled by each row's own total; a zero-probability token is never
+    returned.
+``verify_sampled_draft(draft_tokens, draft_offsets, accept_uniforms, sample_uniforms,
+target_probs, draft_rows, draft_probs)``, ``verify_point_draft`` (the same without the last two:
+a deterministic proposer, whose proposal is a point mass)
+    rejection sampling with a bonus token (Leviathan et al. 2023) over a ragged batch: request
+    ``i`` drafted ``draft_tokens[draft_offsets[i]:draft_offsets[i + 1]]``, and its target rows
+    are ``draft_offsets[i] + i`` onwards (one more than its drafts); draft ``t`` was sampled from
+    ``draft_probs[draft_rows[t]]``. Returns the accepted count per request and, per target row,
+    the emitted token (accepted drafts, then the corrected or bonus token, then -1).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax as rx
+from tvm import te, tirx, topi
+
+from mlc_spec.runtime.artifact import SAMPLER_FUNCTIONS
+
+ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
+
+F32, I32 = "float32", "int32"
+_ZERO = tirx.const(0, F32)
+# exp(-87) ~ 1.6e-38, the smallest normal float32: below it a token's probability is 0.
+_EXP_FLOOR = tirx.const(-87.0, F32)
+
+
+def attach_sampler(mod: tvm.IRModule, vocab_size: int | None = None) -> tvm.IRModule:
+    """``mod`` plus the sampling functions (an empty module gives them alone), for a vocabulary
+    of ``vocab_size`` tokens (any size with ``None``). A known size lets the CPU schedules
+    vectorise the row loops."""
+    bb = rx.BlockBuilder(mod)
+    v = vocab_size
+    for add in (_add_argmax, _add_probs, _add_probs_top_kp, _add_sample):
+        add(bb, v)
+    _add_verify(bb, v, VERIFY_SAMPLED, sampled_draft=True)
+    _add_verify(bb, v, VERIFY_POINT, sampled_draft=False)
+    return bb.finalize()
+
+
+def _add_argmax(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
+    logits = _arg("logits", [n, v], F32)
+    _function(bb, ARGMAX, [logits], lambda: _te(bb, _argmax, logits))
+
+
+def _add_probs(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
+    logits, temperature = _arg("logits", [n, v], F32), _arg("temperature", [n], F32)
+    _function(bb, PROBS, [logits, temperature], lambda: _te(bb, _probs, logits, temperature))
+
+
+def _add_probs_top_kp(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
+    params = [
+        _arg("logits", [n, v], F32),
+        _arg("temperature", [n], F32),
+        _arg("top_k", [n], I32),
+        _arg("top_p", [n], F32),
+    ]
+    _function(bb, PROBS_TOP_KP, params, lambda: _top_kp(bb, *params))
+
+
+def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
+    probs, uniforms = _arg("probs", [n, v], F32), _arg("uniforms", [n], F32)
+    _function(bb, SAMPLE, [probs, uniforms], lambda: _sample(bb, probs, uniforms))
+
+
+def _add_verify(
+    bb: rx.BlockBuilder, vocab_size: int | None, name: str, sampled_draft: bool
+) -> None:
+    t, b, r, d, v = _sizes("t", "b", "r", "d", vocab_size)
+    params = [
+        _arg("draft_tokens", [t], I32),
+        _arg("draft_offsets", [b + 1], I32),
+        _arg("accept_uniforms", [t], F32),
+        _arg("sample_uniforms", [b], F32),
+        _arg("target_probs", [r, v], F32),
+    ]
+    if sampled_draft:
+        params += [_arg("draft_rows", [t], I32), _arg("draft_probs", [d, v], F32)]
+    _function(bb, name, params, lambda: _verify(bb, *params))
+
+
+def _sizes(*dims: str | int | None) -> list[tirx.PrimExpr]:
+    """Symbolic dimensions by name; the vocabulary's fixed where known (``None``: symbolic)."""
+    return [
+        tirx.const(d, "int64") if isinstance(d, int) else tirx.Var(d or "v", "int64") for d in dims
+    ]
+
+
+def _arg(name: str, shape: list, dtype: str) -> rx.Var:
+    return rx.Var(name, rx.TensorType(shape, dtype))
+
+
+def _function(bb: rx.BlockBuilder, name: str, params: list[rx.Var], body) -> None:
+    with bb.function(name, params):
+        with bb.dataflow():
+            out = bb.emit_output(body())
+        bb.emit_func_output(out)
+
+
+def _te(bb: rx.BlockBuilder, fn, *args: rx.Expr) -> rx.Var:
+    return bb.emit_te(fn, *args, primfunc_name_hint=fn.__name__.strip("_"))
+
+
+def _i32(value) -> tirx.PrimExpr:
+    return tirx.Cast(I32, value)
+
+
+# ---- logits -> probabilities -----------------------------------------------------------------
+
+
+def _argmax(x: te.Tensor) -> te.Tensor:
+    """Per-row argmax as int32, the first index on ties."""
+    index = topi.argmax(x, axis=1, select_last_index=False)
+    return te.compute(index.shape, lambda i: _i32(index[i]), name="argmax_i32")
+
+
+def _scaled(logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
+    """``logits / temperature``; greedy rows (temperature 0) as they are."""
+    one = tirx.const(1, F32)
+    return te.compute(
+        logits.shape,
+        lambda i, j: logits[i, j] / tirx.Select(temperature[i] == 0, one, temperature[i]),
+        name="scaled",
+    )
+
+
+def _greedy_rows(probs: te.Tensor, logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
+    """Rows with temperature 0 replaced by the one-hot of the logits' argmax."""
+    best = _argmax(logits)
+    one, zero = tirx.const(1, F32), tirx.const(0, F32)
+    return te.compute(
+        probs.shape,
+        lambda i, j: tirx.Select(
+            temperature[i] == 0, tirx.Select(best[i] == j, one, zero), probs[i, j]
+        ),
+        name="greedy_rows",
+    )
+
+
+def _row_exp(x: te.Tensor) -> te.Tensor:
+    """``exp(x - max(row))`` by TVM's polynomial exp, which vectorises (``te.exp`` is a scalar
+    libm call per element on CPU) and is float32-accurate; exactly 0 far below the maximum,
+    where it would clamp instead, so that masked (-inf) tokens keep probability 0."""
+    n, v = x.shape
+    k = te.reduce_axis((0, v), name="k")
+    peak = te.compute((n,), lambda i: te.max(x[i, k], axis=k), name="peak")
+    shifted = topi.fast_exp(te.compute(x.shape, lambda i, j: x[i, j] - peak[i], name="shifted"))
+    return te.compute(
+        x.shape,
+        lambda i, j: tirx.Select(x[i, j] - peak[i] > _EXP_FLOOR, shifted[i, j], _ZERO),
+        name="row_exp",
+    )
+
+
+def _probs(logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
+    e = _row_exp(_scaled(logits, temperature))
+    n, v = e.shape
+    k = te.reduce_axis((0, v), name="k")
+    total = te.compute((n,), lambda i: te.sum(e[i, k], axis=k), name="total")
+    probs = te.compute(e.shape, lambda i, j: e[i, j] / total[i], name="softmax")
+    return _greedy_rows(probs, logits, temperature)
+
+
+def _top_kp(
+    bb: rx.BlockBuilder, logits: rx.Var, temperature: rx.Var, top_k: rx.Var, top_p: rx.Var
+) -> rx.Var:
+    """One stable descending argsort serves both cuts: top-k reads the k-th value, top-p the
+    cumulative mass in that order."""
+    x = _te(bb, _scaled, logits, temperature)
+    e = _te(bb, _row_exp, x)
+    order = bb.emit(rx.op.argsort(x, axis=1, descending=True, dtype=I32))
+    sorted_exp = _te(bb, _sorted_exp, x, e, order, temperature, top_k)
+    cdf = bb.emit(rx.op.cumsum(sorted_exp, axis=1))
+    return _te(bb, _kept_probs, logits, x, e, order, temperature, top_k, top_p, cdf)
+
+
+def _kth(x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor) -> te.Tensor:
+    """Each row's k-th largest scaled logit, or the lowest float where top-k is off."""
+    n, v = x.shape
+
+    def kth(i):
+        on = tirx.all(top_k[i] > 0, top_k[i] < _i32(v), temperature[i] != 0)
+        col = tirx.max(tirx.min(top_k[i] - 1, _i32(v) - 1), 0)
+        return tirx.Select(on, x[i, order[i, col]], tirx.min_value(F32))
+
+    return te.compute((n,), kth, name="kth")
+
+
+def _sorted_exp(
+    x: te.Tensor, e: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor
+) -> te.Tensor:
+    """``exp(x - max)`` in descending order, zero below the k-th value."""
+    kth = _kth(x, order, temperature, top_k)
+
+    def value(i, j):
+        t = order[i, j]
+        return tirx.Select(x[i, t] >= kth[i], e[i, t], _ZERO)
+
+    return te.compute(x.shape, value, name="sorted_exp")
+
+
+def _kept_probs(
+    logits: te.Tensor,
+    x: te.Tensor,
+    e: te.Tensor,
+    order: te.Tensor,
+    temperature: te.Tensor,
+    top_k: te.Tensor,
+    top_p: te.Tensor,
+    cdf: te.Tensor,
+) -> te.Tensor:
+    """Top-k and top-p applied in token order, renormalised.
+
+    Sorted position ``j`` is kept while the mass strictly before it is below ``top_p``: a prefix
+    of length ``L``. In token order that prefix is every token above the cut value ``x[cut]``
+    plus, at the cut value, the tokens with ids up to the cut's own (the sort is stable)."""
+    n, v = x.shape
+    kth = _kth(x, order, temperature, top_k)
+    j = te.reduce_axis((0, v), name="j")
+
+    def num_kept(i):
+        before = cdf[i, tirx.max(j.var - 1, 0)]
+        keep = tirx.any(j.var == 0, before < top_p[i] * cdf[i, v - 1])
+        return te.sum(tirx.Select(keep, 1, 0), axis=j)
+
+    length = te.compute((n,), num_kept, name="num_kept")
+
+    def kept_exp(i, t):
+        value, cut = x[i, t], order[i, tirx.max(length[i], 1) - 1]
+        use_p = tirx.all(top_p[i] < 1, temperature[i] != 0)
+        in_p = tirx.any(tirx.Not(use_p), value > x[i, cut], tirx.all(value == x[i, cut], t <= cut))
+        keep = tirx.all(value >= kth[i], in_p)
+        return tirx.Select(keep, e[i, t], _ZERO)
+
+    kept = te.compute(x.shape, kept_exp, name="kept_exp")
+    k = te.reduce_axis((0, v), name="k")
+    total = te.compute((n,), lambda i: te.sum(kept[i, k], axis=k), name="kept_total")
+    probs = te.compute(x.shape, lambda i, t: kept[i, t] / total[i], name="kept_probs")
+    return _greedy_rows(probs, logits, temperature)
+
+
+# ---- probabilities -> tokens -----------------------------------------------------------------
+
+
+def _sample(bb: rx.BlockBuilder, probs: rx.Expr, uniforms: rx.Expr) -> rx.Var:
+    cdf = bb.emit(rx.op.cumsum(probs, axis=1))
+    return _te(bb, _inverse_cdf, probs, cdf, uniforms)
+
+
+def _inverse_cdf(probs: te.Tensor, cdf: te.Tensor, uniforms: te.Tensor) -> te.Tensor:
+    """The first token of positive probability whose cumulative mass exceeds ``u * total``
+    (so that rounding in a parallel scan can never pick a zero), else the last positive one."""
+    n, v = probs.shape
+    j = te.reduce_axis((0, v), name="j")
+    k = te.reduce_axis((0, v), name="k")
+    first = te.compute(
+        (n,),
+        lambda i: te.min(
+            tirx.Select(
+                tirx.all(cdf[i, j] > uniforms[i] * cdf[i, v - 1], probs[i, j] > 0),
+                _i32(j.var),
+                _i32(v),
+            ),
+            axis=j,
+        ),
+        name="first_above",
+    )
+    last = te.compute(
+        (n,),
+        lambda i: te.max(tirx.Select(probs[i, k] > 0, _i32(k.var), 0), axis=k),
+        name="last_positive",
+    )
+    return te.compute((n,), lambda i: tirx.min(first[i], last[i]), name="sampled")
+
+
+# ---- verification ----------------------------------------------------------------------------
+
+
+def _verify(
+    bb: rx.BlockBuilder,
+    draft_tokens: rx.Var,
+    offsets: rx.Var,
+    accept_u: rx.Var,
+    sample_u: rx.Var,
+    target_probs: rx.Var,
+    draft_rows: rx.Var | None = None,
+    draft_probs: rx.Var | None = None,
+) -> rx.Tuple:
+    draft = [] if draft_rows is None else [draft_rows, draft_probs]
+    accepted = _te(bb, _num_accepted, draft_tokens, offsets, accept_u, target_probs, *draft)
+    last = _te(bb, _last_distribution, draft_tokens, offsets, accepted, target_probs, *draft)
+    token = _sample(bb, last, sample_u)
+    emitted = _te(bb, _emitted, draft_tokens, offsets, accepted, token, target_probs)
+    return rx.Tuple([accepted, emitted])
+
+
+def _draft_prob(draft_rows, draft_probs, t, token) -> tirx.PrimExpr:
+    """The draft's probability of ``token`` at draft ``t``: 1 for a point-mass proposal."""
+    if draft_rows is None:
+        return tirx.const(1, F32)
+    return draft_probs[draft_rows[t], token]
+
+
+def _num_accepted(draft_tokens, offsets, accept_u, target_probs, draft_rows=None, draft_probs=None):
+    """Per request, the first draft position ``j`` rejected (``u * p_d(x) >= p_t(x)``), or its
+    draft count: a minimum over positions, so no loop carries state."""
+    (b1,), (t,) = offsets.shape, draft_tokens.shape
+    j = te.reduce_axis((0, t + 1), name="j")
+
+    def first_rejected(i):
+        k = offsets[i + 1] - offsets[i]
+        d = tirx.min(offsets[i] + _i32(j.var), _i32(t) - 1)  # clamped: read only when j < k
+        x = draft_tokens[d]
+        p_t = target_probs[d + _i32(i), x]
+        rejected = accept_u[d] * _draft_prob(draft_rows, draft_probs, d, x) >= p_t
+        stop = tirx.any(_i32(j.var) >= k, rejected)
+        return te.min(tirx.Select(stop, _i32(j.var), k), axis=j)
+
+    return te.compute((b1 - 1,), first_rejected, name="num_accepted")
+
+
+def _last_distribution(
+    draft_tokens, offsets, accepted, target_probs, draft_rows=None, draft_probs=None
+):
+    """What each request's last token is sampled from: after a rejection the residual
+    ``max(0, p_t - p_d)`` (unnormalised; the target row itself if rounding left it no mass),
+    else the bonus row."""
+    (b,), (t,), (_, v) = accepted.shape, draft_tokens.shape, target_probs.shape
+    zero = tirx.const(0, F32)
+
+    def row(i):
+        return offsets[i] + _i32(i) + accepted[i]
+
+    def rejected_draft(i):
+        return tirx.min(offsets[i] + accepted[i], _i32(t) - 1)
+
+    def residual(i, w):
+        p_t = target_probs[row(i), w]
+        d = rejected_draft(i)
+        if draft_rows is None:
+            p_d = tirx.Select(draft_tokens[d] == _i32(w), tirx.const(1, F32), zero)
+        else:
+            p_d = draft_probs[draft_rows[d], w]
+        rejected = accepted[i] < offsets[i + 1] - offsets[i]
+        return tirx.Select(rejected, tirx.max(p_t - p_d, zero), p_t)
+
+    res = te.compute((b, v), residual, name="residual")
+    w = te.reduce_axis((0, v), name="w")
+    mass = te.compute((b,), lambda i: te.sum(res[i, w], axis=w), name="residual_mass")
+    return te.compute(
+        (b, v),
+        lambda i, x: tirx.Select(mass[i] > zero, res[i, x], target_probs[row(i), x]),
+        name="last_distribution",
+    )
+
+
+def _emitted(draft_tokens, offsets, accepted, token, target_probs):
+    """Per target row: the accepted drafts of its request, then its last token, then -1."""
+    (b,), (t,), (r, _) = accepted.shape, draft_tokens.shape, target_probs.shape
+    q = te.reduce_axis((0, b), name="q")
+    # Request q's rows end at offsets[q + 1] + q + 1: row s belongs to the requests ending at or
+    # before it, counted.
+    owner = te.compute(
+        (r,),
+        lambda s: te.sum(tirx.Select(offsets[q + 1] + _i32(q) + 1 <= _i32(s), 1, 0), axis=q),
+        name="owner",
+    )
+
+    def emitted(s):
+        i = owner[s]
+        pos = _i32(s) - offsets[i] - i
+        draft = draft_tokens[tirx.min(offsets[i] + pos, _i32(t) - 1)]
+        return tirx.Select(pos < accepted[i], draft, tirx.Select(pos == accepted[i], token[i], -1))
+
+    return te.compute((r,), emitted, name="emitted")

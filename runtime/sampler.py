@@ -1,0 +1,159 @@
+"""Sampling and speculative verification through the artifact's compiled functions
+(``compiler/sampler.py``): logits and probabilities stay on the device, and only token ids and
+accepted counts come back to the host.
+
+The host sends each row's parameters and the uniforms drawn from each request's own generator,
+the same draws in the same order as before sampling moved to the device, so a seed keeps its
+meaning. A batch of greedy rows needs only the argmax: no probabilities are formed at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import tvm
+import tvm.runtime
+
+from .artifact import SAMPLER_FUNCTIONS
+from .params import SamplingParams
+
+ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
+
+# Uniforms travel as float32, where a float64 draw just below 1 rounds up to 1: clamp below it.
+_BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
+
+
+@dataclasses.dataclass
+class DraftProbs:
+    """The distributions drafts were sampled from, kept on the device: ``data`` ``[rows, V]``
+    and, per sequence, the row of ``data`` each of its drafts was sampled from."""
+
+    data: tvm.runtime.Tensor
+    rows: list[np.ndarray]
+
+    def first(self, counts: Sequence[int]) -> DraftProbs:
+        """The rows of each sequence's first ``counts[i]`` drafts."""
+        return DraftProbs(self.data, [r[:c] for r, c in zip(self.rows, counts, strict=True)])
+
+
+class Sampler:
+    """The compiled sampling functions of one loaded artifact (``functions`` by name)."""
+
+    def __init__(self, functions: Mapping[str, Callable], device: tvm.runtime.Device):
+        self._fn, self.device = functions, device
+
+    def _put(self, values, dtype: type) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.ascontiguousarray(values, dtype=dtype), self.device)
+
+    def _uniforms(self, uniforms) -> tvm.runtime.Tensor:
+        return self._put(np.minimum(np.asarray(uniforms, np.float32), _BELOW_ONE), np.float32)
+
+    # ---- one token per row ---------------------------------------------------------------
+    def argmax(self, logits: tvm.runtime.Tensor) -> np.ndarray:
+        """Each row's greedy token (lowest index on ties), int64."""
+        return self._fn[ARGMAX](logits).numpy().astype(np.int64)
+
+    def probs(
+        self, logits: tvm.runtime.Tensor, params: Sequence[SamplingParams]
+    ) -> tvm.runtime.Tensor:
+        """The distribution each row samples from, on the device ``[N, V]``: temperature, then
+        top-k and top-p (sorting only when some sampled row uses them); greedy rows one-hot."""
+        vocab = logits.shape[1]
+        temperature = self._put([p.temperature for p in params], np.float32)
+        cut = any(not p.greedy and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
+        if not cut:
+            return self._fn[PROBS](logits, temperature)
+        top_k = self._put([p.top_k for p in params], np.int32)
+        top_p = self._put([p.top_p for p in params], np.float32)
+        return self._fn[PROBS_TOP_KP](logits, temperature, top_k, top_p)
+
+    def sample(self, probs: tvm.runtime.Tensor, uniforms: np.ndarray) -> np.ndarray:
+        """Inverse-CDF samples, one per row with its own uniform in [0, 1), int64."""
+        return self._fn[SAMPLE](probs, self._uniforms(uniforms)).numpy().astype(np.int64)
+
+    def sample_logits(
+        self,
+        logits: tvm.runtime.Tensor,
+        params: Sequence[SamplingParams],
+        uniforms: np.ndarray,
+    ) -> np.ndarray:
+        """One token per row of ``logits`` with that row's parameters and uniform."""
+        if all(p.greedy for p in params):
+            return self.argmax(logits)
+        return self.sample(self.probs(logits, params), uniforms)
+
+    # ---- verification --------------------------------------------------------------------
+    def verify(
+        self,
+        logits: tvm.runtime.Tensor,
+        params: Sequence[SamplingParams],
+        drafts: Sequence[np.ndarray],
+        draft_probs: DraftProbs | None,
+        uniforms: Sequence[np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Accept each sequence's drafts against the target's ``logits`` (``k_i + 1`` rows per
+        sequence, concatenated): ``(accepted per sequence, emitted tokens concatenated)``, the
+        emitted ones being each sequence's accepted drafts then one corrected or bonus token.
+        ``uniforms[i]`` holds ``k_i`` acceptance uniforms then the last token's.
+
+        Greedy sequences alone: the longest draft prefix matching the target's argmaxes, then
+        the argmax after it (what rejection sampling gives with one-hot rows, whatever the
+        uniforms or the draft's distributions)."""
+        if all(p.greedy for p in params):
+            return _longest_matching_prefix(self.argmax(logits), drafts)
+        row_params = [p for p, d in zip(params, drafts, strict=True) for _ in range(len(d) + 1)]
+        return self.verify_probs(
+            self.probs(logits, row_params),
+            drafts,
+            draft_probs,
+            np.concatenate([u[:-1] for u in uniforms]),
+            np.array([u[-1] for u in uniforms]),
+        )
+
+    def verify_probs(
+        self,
+        target_probs: tvm.runtime.Tensor,
+        drafts: Sequence[np.ndarray],
+        draft_probs: DraftProbs | None,
+        accept_uniforms: np.ndarray,
+        sample_uniforms: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rejection sampling with a bonus token over processed target rows (``verify``'s
+        layout); ``draft_probs`` ``None`` for a deterministic proposer (a point mass)."""
+        num_draft = np.array([len(d) for d in drafts], dtype=np.int64)
+        b = num_draft.size
+        if not num_draft.any():  # nothing to accept: every sequence samples its one row
+            return np.zeros(b, np.int64), self.sample(target_probs, sample_uniforms)
+        offsets = np.concatenate([[0], np.cumsum(num_draft)])
+        args = [
+            self._put(np.concatenate(drafts), np.int32),
+            self._put(offsets, np.int32),
+            self._uniforms(accept_uniforms),
+            self._uniforms(sample_uniforms),
+            target_probs,
+        ]
+        if draft_probs is None:
+            accepted, tokens = self._fn[VERIFY_POINT](*args)
+        else:
+            rows = self._put(np.concatenate(draft_probs.rows), np.int32)
+            accepted, tokens = self._fn[VERIFY_SAMPLED](*args, rows, draft_probs.data)
+        accepted, tokens = accepted.numpy().astype(np.int64), tokens.numpy().astype(np.int64)
+        starts = offsets[:-1] + np.arange(b)
+        emitted = [tokens[s : s + a + 1] for s, a in zip(starts, accepted, strict=True)]
+        return accepted, np.concatenate(emitted)
+
+
+def _longest_matching_prefix(
+    best: np.ndarray, drafts: Sequence[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    accepted, emitted, start = [], [], 0
+    for d in drafts:
+        k = len(d)
+        target = best[start : start + k + 1]
+        a = int(np.argmin(np.append(np.asarray(d) == target[:k], False)))
+        accepted.append(a)
+        emitted.append(target[: a + 1])
+        start += k + 1
+    return np.array(accepted, dtype=np.int64), np.concatenate(emitted)
