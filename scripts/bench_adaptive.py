@@ -116,7 +116,9 @@ def report(
     args: argparse.Namespace,
     context: list[str],
 ) -> str:
-    if args.model == "qwen-pair":
+    if "draft" not in args.methods:
+        draft_text = ""
+    elif args.model == "qwen-pair":
         draft_text = "Draft: Qwen2.5-Coder-0.5B-Instruct. "
     elif args.draft_layers is None:
         draft_text = (

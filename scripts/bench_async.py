@@ -38,7 +38,6 @@ from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeCon
 from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 
-SECTION = "bench_async"
 MAX_K = 6
 # Host phases of a step, as the engine's timers name them; sampling runs inside the step's
 # passes (on the worker thread when asynchronous) and is reported beside them.
@@ -195,7 +194,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=1)
-    parser.add_argument("--write", type=Path, help=f"replace the {SECTION} section of this file")
+    parser.add_argument(
+        "--write", type=Path, help="replace this run's section (one per set of models) of this file"
+    )
     args = parser.parse_args()
     load_avg = os.getloadavg()[0]
     rows = []
@@ -210,7 +211,8 @@ def main() -> None:
     )
     section = "\n".join(
         [
-            "## Async scheduling: host time off the critical path",
+            f"## Async scheduling: host time off the critical path, "
+            f"{', '.join(sorted({s.model for s in args.setting}))}",
             "",
             f"Closed loop of C clients, {args.requests_per_client} request(s) each, HumanEval "
             f"and ShareGPT prompts alternating, greedy, exactly {args.max_tokens} output tokens "
@@ -233,7 +235,8 @@ def main() -> None:
     )
     print(section)
     if args.write:
-        write_section(args.write, SECTION, section)
+        models = sorted({s.model for s in args.setting})
+        write_section(args.write, "bench_async-" + "-".join(models), section)
 
 
 if __name__ == "__main__":
