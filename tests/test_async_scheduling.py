@@ -161,3 +161,17 @@ def test_host_work_overlaps_the_forward(tiny_llama, tiny_llama_draft):
     while engine.has_unfinished():
         engine.step()
     assert engine.kv.available_pages() == engine.capacity_pages
+
+
+def test_logprobs_are_identical(tiny_llama, tiny_llama_draft):
+    """Logprobs are read from a step's logits while the next step runs: they must be that
+    step's own."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    scored = []
+    for llm in _pair("ngram", 3, tiny_llama, tiny_llama_draft):
+        outs = llm.generate(_prompts(), params)
+        scored.append(
+            [[(t.token_id, t.logprob, t.top) for t in o.outputs[0].logprobs] for o in outs]
+        )
+    assert scored[0] == scored[1]
+    assert all(len(s) == 16 for s in scored[1])
