@@ -72,6 +72,10 @@ class PrefillWork:
     fresh: list[tuple[Sequence, list[int]]]
     completes: list[bool]
 
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s for s, _ in self.restored + self.fresh]
+
     def in_cache(self) -> PrefillWork | None:
         """Without the sequences preempted since it was planned (``None`` if that is all)."""
         fresh = [(f, c) for f, c in zip(self.fresh, self.completes, strict=True) if f[0].in_cache]
@@ -300,7 +304,7 @@ class Engine:
         with self.timers("process"):
             outputs = self._process(committed)
         if self._in_flight is not None and all(
-            s.finished for s in self._sequences(self._in_flight.works)
+            s.finished for w in self._in_flight.works for s in w.seqs
         ):  # every sequence in flight was stopped by a string: nothing in it is wanted
             self._collect()
         return outputs
@@ -319,7 +323,7 @@ class Engine:
                 plan = self._plan()
                 if prefill is not None:  # the decode step may have preempted a prompt's request
                     prefill = prefill.in_cache()
-            return [w for w in (prefill, plan) if w is not None and (w is prefill or w.seqs)]
+            return [w for w in (prefill, plan) if w is not None and w.seqs]
 
     def _execute_all(self, works: list[Work]) -> list[PrefillResult | StepResult]:
         """The passes of one step (on the worker thread with ``async_scheduling``)."""
@@ -350,26 +354,16 @@ class Engine:
             results = in_flight.result.result()
         return self._commit_all(in_flight.works, results)
 
-    @staticmethod
-    def _sequences(works: list[Work]) -> list[Sequence]:
-        seqs = []
-        for work in works:
-            if isinstance(work, PrefillWork):
-                seqs += [s for s, _ in work.restored + work.fresh]
-            else:
-                seqs += work.seqs
-        return seqs
-
     # ---- prefill ------------------------------------------------------------------------
     def _to_feed(self, request: Request) -> list[Sequence]:
         """A new request feeds its prompt once (its samples fork from it); a preempted one
         recomputes each sequence's KV."""
         seqs = request.unfinished
-        return [s for s in seqs if s.output_ids] if seqs[0].output_ids else seqs[:1]
+        return [s for s in seqs if s.num_output] if seqs[0].num_output else seqs[:1]
 
     @staticmethod
     def _feed_end(seq: Sequence) -> int:
-        return len(seq.tokens) - 1 if seq.output_ids else len(seq.tokens)
+        return len(seq.tokens) - 1 if seq.num_output else len(seq.tokens)
 
     def _prefilling(self) -> list[Sequence]:
         """Admitted sequences whose prompt (or, after preemption, history) is not yet fully in
@@ -398,9 +392,9 @@ class Engine:
         feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]
         rows, chunks = next(chunk_rounds(feeds, self.config.prefill_chunk_size))
         chunked = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
-        fresh = [(s, t) for s, t in chunked if not s.output_ids]
+        fresh = [(s, t) for s, t in chunked if not s.num_output]
         return PrefillWork(
-            [(s, t) for s, t in chunked if s.output_ids],
+            [(s, t) for s, t in chunked if s.num_output],
             fresh,
             [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
         )
@@ -652,13 +646,11 @@ class Engine:
 
     def _process(self, committed: list[Emitted]) -> list[RequestOutput]:
         """Logprobs, text and stop strings of committed tokens; the increments to report. A
-        stop string ends its sequence here: the tokens after it are cut off (``output_end``,
-        leaving ``tokens`` alone, which a step in flight may be reading)."""
+        stop string ends its sequence here: the output processor keeps its output up to the
+        stop, and ``tokens`` is left alone (a step in flight may be reading it)."""
         requests = {}
         for emitted in committed:
             seq = emitted.seq
-            if seq.request.request_id not in self._requests:
-                continue  # aborted after its tokens were committed
             params = seq.params
             scored = (
                 token_logprobs(emitted.rows, emitted.tokens, params.logprobs)
@@ -666,7 +658,6 @@ class Engine:
                 else None
             )
             if self.outputs.process(seq.output, emitted.tokens, scored, finished=seq.finished):
-                seq.output_end = seq.num_prompt + len(seq.output.token_ids)
                 was_running, seq.finish_reason = not seq.finished, "stop"
                 if was_running:
                     self._finish(seq)

@@ -35,7 +35,6 @@ class Sequence:
         self.kv_len = 0
         self.in_cache = False
         self.finish_reason: str | None = None
-        self.output_end: int | None = None  # where a stop string cut the tokens off
         self.output = output  # text, logprobs and what was streamed: the output processor's
         self.stats = SpecStats()
         seed = request.params.seed
@@ -52,10 +51,6 @@ class Sequence:
     @property
     def num_prompt(self) -> int:
         return len(self.request.prompt_token_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt : self.output_end]
 
     @property
     def num_output(self) -> int:
