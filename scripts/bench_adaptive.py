@@ -20,7 +20,6 @@ config must produce the no-speculation tokens; the script checks it.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -33,17 +32,18 @@ THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
 os.environ["TVM_NUM_THREADS"] = str(THREADS)
 
-from prepare_qwen_pair import prepare_pair  # noqa: E402
-from workloads import Run, closed_loop, humaneval_prompts, sharegpt_turns  # noqa: E402
+from workloads import (  # noqa: E402
+    Run,
+    closed_loop,
+    load_models,
+    mixed_prompts,
+    room_for_all,
+    shared_engine,
+)
 
-from mlc_spec.compiler.cache import compiled  # noqa: E402
 from mlc_spec.runtime.engine import Engine  # noqa: E402
-from mlc_spec.runtime.model import Model  # noqa: E402
-from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
-from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer  # noqa: E402
-from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
+from mlc_spec.runtime.params import EngineConfig, SamplingParams  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
 # Per --model: the section of docs/benchmarks.md, the plot, and the title's model.
 SECTIONS = {"smollm2": "bench_adaptive", "qwen-pair": "bench_adaptive-qwen-pair"}
 TITLES = {
@@ -72,34 +72,6 @@ def configs(methods: list[str], fixed_ks: list[int]) -> list[Config]:
         out.append(Config(f"{method} auto", method, "auto"))
         out.append(Config(f"{method} configured, k=0", method, "auto", request_k=0))
     return out
-
-
-def artifacts(model: str, draft_layers: int | None) -> tuple[Path, Path]:
-    """The target and its draft, compiled once (``mlc_spec.compiler.cache``): the Qwen pair,
-    or SmolLM2 and its draft (itself, or its first ``draft_layers`` layers)."""
-    if model == "qwen-pair":
-        draft, target = prepare_pair(show_progress=False)
-        return target, draft
-    target = compiled(MODEL, show_progress=False)
-    if draft_layers is None:
-        return target, target
-    return target, compiled(MODEL, num_layers=draft_layers, show_progress=False)
-
-
-def build_engine(
-    config: Config, target: Model, draft: Model, tokenizer: Tokenizer, batch: int, total_len: int
-) -> Engine:
-    """An engine over the shared loaded models, with its own KV caches."""
-    engine_config = EngineConfig(max_batch_size=batch, max_total_len=total_len)
-    if config.method is None:
-        return Engine(target, tokenizer, engine_config)
-    spec = SpeculativeConfig(config.method, config.k, MAX_K)
-    proposer = (
-        NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if config.method == "ngram"
-        else DraftModelProposer(draft, batch, engine_config.max_total_len, 512)
-    )
-    return Engine(target, tokenizer, engine_config, proposer, spec)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -322,25 +294,15 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]  # before we add our own
 
-    target_dir, draft_dir = artifacts(args.model, args.draft_layers)
-    target = Model(target_dir)
-    draft = target if draft_dir == target_dir else Model(draft_dir)
-    tokenizer = Tokenizer(target_dir)
-    most = max(args.concurrency) * args.requests_per_client
-    code = [tokenizer.encode(p) for p in humaneval_prompts(-(-most // 2))]
-    prose = [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}])
-        for t in sharegpt_turns(most // 2)
-    ]
-    prompts = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
-    cfgs = configs(args.methods, args.fixed_k)
+    models = load_models(args.model, args.draft_layers)
     batch = max(args.concurrency)
-    # Room for every running sequence at once, so that no config is slowed by preemption.
-    total_len = batch * (max(map(len, prompts)) + args.max_tokens + 2 * MAX_K + 64)
+    prompts = mixed_prompts(models[2], batch * args.requests_per_client)
+    cfgs = configs(args.methods, args.fixed_k)
+    config = EngineConfig(batch, room_for_all(prompts, batch, args.max_tokens, MAX_K))
     engines = {}
     for cfg in cfgs:
         print(f"loading {cfg.name}", file=sys.stderr)
-        engines[cfg.name] = build_engine(cfg, target, draft, tokenizer, batch, total_len)
+        engines[cfg.name] = shared_engine(cfg.method, cfg.k, MAX_K, models, config)
     results: dict[tuple[str, int], Run] = {}
     for c in args.concurrency:
         runs: dict[str, list[Run]] = {cfg.name: [] for cfg in cfgs}

@@ -17,7 +17,6 @@ produce the same tokens and the same drafted/accepted counts.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -28,15 +27,17 @@ from benchdoc import machine_context, usable_cores, write_section
 
 os.environ["TVM_NUM_THREADS"] = str(usable_cores())
 
-from prepare_qwen_pair import prepare_pair  # noqa: E402
-from workloads import Run, closed_loop, humaneval_prompts, sharegpt_turns  # noqa: E402
+from workloads import (  # noqa: E402
+    Run,
+    closed_loop,
+    load_models,
+    mixed_prompts,
+    room_for_all,
+    shared_engine,
+)
 
-from mlc_spec.compiler.cache import compiled  # noqa: E402
 from mlc_spec.runtime.engine import Engine  # noqa: E402
-from mlc_spec.runtime.model import Model  # noqa: E402
-from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig  # noqa: E402
-from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer  # noqa: E402
-from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
+from mlc_spec.runtime.params import EngineConfig, SamplingParams  # noqa: E402
 
 MAX_K = 6
 # Host phases of a step, as the engine's timers name them; sampling runs inside the step's
@@ -78,39 +79,6 @@ class Measured:
         return 1e3 * self.run.seconds / self.steps
 
 
-def load(setting: Setting) -> tuple[Model, Model | None, Tokenizer]:
-    if setting.model == "qwen-pair":
-        draft_dir, target_dir = prepare_pair(show_progress=False)
-    else:
-        target_dir = draft_dir = compiled("smollm2-135m-instruct", show_progress=False)
-    target = Model(target_dir)
-    draft = None
-    if setting.method == "draft":
-        draft = target if draft_dir == target_dir else Model(draft_dir)
-    return target, draft, Tokenizer(target_dir)
-
-
-def engine(
-    setting: Setting,
-    target: Model,
-    draft: Model | None,
-    tokenizer: Tokenizer,
-    batch: int,
-    total_len: int,
-    async_scheduling: bool,
-) -> Engine:
-    config = EngineConfig(batch, total_len, async_scheduling=async_scheduling)
-    if setting.method == "none":
-        return Engine(target, tokenizer, config)
-    spec = SpeculativeConfig(setting.method, setting.k, MAX_K)
-    proposer = (
-        NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if setting.method == "ngram"
-        else DraftModelProposer(draft, batch, total_len, config.prefill_chunk_size)
-    )
-    return Engine(target, tokenizer, config, proposer, spec)
-
-
 def measure(
     eng: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int
 ) -> Measured:
@@ -126,26 +94,21 @@ def measure(
     )
 
 
-def prompts_for(tokenizer: Tokenizer, count: int) -> list[list[int]]:
-    code = [tokenizer.encode(p) for p in humaneval_prompts(-(-count // 2))]
-    prose = [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}])
-        for t in sharegpt_turns(count // 2)
-    ]
-    return [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
-
-
-def run_setting(setting: Setting, args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The setting's table rows and its notes (losslessness, host phases)."""
-    target, draft, tokenizer = load(setting)
+def run_setting(setting: Setting, args: argparse.Namespace) -> list[str]:
+    """The setting's table rows, one per concurrency."""
+    models = load_models(setting.model)
     batch = max(args.concurrency)
-    prompts = prompts_for(tokenizer, batch * args.requests_per_client)
-    total_len = batch * (max(map(len, prompts)) + args.max_tokens + 2 * MAX_K + 64)
+    prompts = mixed_prompts(models[2], batch * args.requests_per_client)
+    total_len = room_for_all(prompts, batch, args.max_tokens, MAX_K)
+    method = None if setting.method == "none" else setting.method
     engines = {
-        on: engine(setting, target, draft, tokenizer, batch, total_len, on) for on in (False, True)
+        on: shared_engine(
+            method, setting.k, MAX_K, models, EngineConfig(batch, total_len, async_scheduling=on)
+        )
+        for on in (False, True)
     }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    rows, notes = [], []
+    rows = []
     for c in args.concurrency:
         measured = {}
         for on in (False, True):
@@ -179,7 +142,7 @@ def run_setting(setting: Setting, args: argparse.Namespace) -> tuple[list[str], 
             f"| {acceptance} "
             f"({asy.run.stats.num_accepted_tokens}/{asy.run.stats.num_draft_tokens}) |"
         )
-    return rows, notes
+    return rows
 
 
 def main() -> None:
@@ -201,7 +164,7 @@ def main() -> None:
     load_avg = os.getloadavg()[0]
     rows = []
     for setting in args.setting:
-        rows += run_setting(setting, args)[0]
+        rows += run_setting(setting, args)
     import tvm
 
     context = machine_context(

