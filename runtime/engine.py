@@ -18,12 +18,15 @@ A step reads as schedule -> execute -> commit -> process:
 
 With ``async_scheduling`` the execute phase runs on a worker thread (TVM releases the GIL
 during its calls): ``step`` commits the step launched last time, schedules and launches the
-next one, and only then processes the committed tokens, so text, stop strings, streaming and
-the caller's own work overlap the forward instead of delaying it. Commit and schedule see
-exactly what they see without it; the one difference is a stop string, found only by
-processing: its sequence was already launched into the next step, whose tokens for it are
-discarded (its KV freed with it), so nothing past the stop reaches a client. The KV cache is
-touched only while no step is in flight.
+next one, and only then processes the committed tokens and admits requests for the step after,
+so text, stop strings, streaming, admission and the caller's own work overlap the forward
+instead of delaying it. Admission ahead counts the tokens of the step in flight, not known yet,
+as placeholders at their most (every draft accepted); the admitted requests enter the cache
+when the next step is launched, where what did not fit that bound is admitted on exact counts.
+Commit and the rest of scheduling see what they see without it; the one difference is a
+stop string, found only by processing: its sequence was already launched into the next step,
+whose tokens for it are discarded (its KV freed with it), so nothing past the stop reaches a
+client. The KV cache is touched only while no step is in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -56,7 +60,7 @@ from .speculation import (
     GoodputPolicy,
     StepCosts,
 )
-from .speculation.warm_up import record, spread, time_passes
+from .speculation.warm_up import record, sizes, spread, time_passes
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig"]
@@ -127,6 +131,7 @@ class InFlight:
     works: list[Work]
     result: Future  # -> list of PrefillResult | StepResult, one per work
     free_pages: int  # when it was launched; the cache itself is the worker's until collected
+    most_pages: int  # what its passes may take of them: every chunk token, every draft kept
 
 
 @dataclasses.dataclass
@@ -182,16 +187,18 @@ class Engine:
         )
         self._in_flight: InFlight | None = None
         self._unprocessed: list[Emitted] = []  # committed while collecting outside ``step``
+        self._admitted: list[Request] = []  # admitted ahead, to enter the cache at the next launch
         self._stopped: list[Sequence] = []  # stopped by a string while a step was in flight
         if speculative is not None and speculative.auto:
             self._warm_up()
 
     def _warm_up(self) -> None:
         """Measure the costs the policy needs before the first request: the target's decode of
-        1..B rows and verify of 2..B(K+1) tokens, and the proposer's passes."""
+        1..B rows and verify of 2..B(K+1) tokens (``sizes`` of them), and the proposer's
+        passes."""
         rows, width = self.config.max_batch_size, self.max_k + 1
-        decodes = [[1] * r for r in range(1, rows + 1)]
-        verifies = [spread(n, width) for n in range(2, rows * width + 1)]
+        decodes = [[1] * r for r in sizes(1, rows)]
+        verifies = [spread(n, width) for n in sizes(2, rows * width)]
         record(self.costs.decode, map(len, decodes), self._time("decode", decodes))
         record(self.costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
         self.proposer.warm_up(rows)
@@ -297,8 +304,12 @@ class Engine:
             committed += self._collect()
         works = self._schedule()
         if works and self._worker is not None:
-            free = self.kv.available_pages()
-            self._in_flight = InFlight(works, self._worker.submit(self._execute_all, works), free)
+            self._in_flight = InFlight(
+                works,
+                self._worker.submit(self._execute_all, works),
+                self.kv.available_pages(),
+                self._most_pages(works),
+            )
         elif works:
             committed += self._commit_all(works, self._execute_all(works))
         with self.timers("process"):
@@ -307,17 +318,18 @@ class Engine:
             s.finished for w in self._in_flight.works for s in w.seqs
         ):  # every sequence in flight was stopped by a string: nothing in it is wanted
             self._collect()
+        if self._in_flight is not None:
+            self._admit_ahead()
         return outputs
 
     def _schedule(self) -> list[Work]:
-        """Admit what fits, then the step's passes: the next prefill chunk, and a decode step
-        unless that chunk completes a prompt (its first tokens are reported first)."""
+        """Admit what fits (after the requests admitted ahead enter the cache), then the step's
+        passes: the next prefill chunk, and a decode step unless that chunk completes a prompt
+        (its first tokens are reported first)."""
         with self.timers("schedule"):
-            for request in self.scheduler.admit(
-                self.kv.available_pages() - self._prefill_reserve()
-            ):
-                for seq in self._to_feed(request):
-                    self._enter_cache(seq)
+            admitted, self._admitted = self._admitted, []
+            self._enter(r for r in admitted if r.status == Status.RUNNING)  # not aborted since
+            self._enter(self.scheduler.admit(self.kv.available_pages() - self._prefill_reserve()))
             prefill, plan = self._plan_prefill(), None
             if prefill is None or not any(prefill.completes):
                 plan = self._plan()
@@ -346,6 +358,27 @@ class Engine:
                 self._free(seq)
             self._stopped.clear()
             return committed
+
+    def _admit_ahead(self) -> None:
+        """Admit, while a step runs, the requests that fit even if every page its passes may
+        take is taken; they enter the cache when the next step is launched."""
+        with self.timers("admit ahead"):
+            in_flight = self._in_flight
+            free = in_flight.free_pages - in_flight.most_pages - self._prefill_reserve()
+            self._admitted += self.scheduler.admit(free)
+
+    def _most_pages(self, works: list[Work]) -> int:
+        """Pages the passes of ``works`` may take: every chunk token, every draft accepted."""
+        most = 0
+        for work in works:
+            if isinstance(work, PrefillWork):
+                chunks = work.restored + work.fresh
+                most += self.scheduler.step_pages(
+                    [s for s, _ in chunks], [len(t) for _, t in chunks]
+                )
+            else:
+                most += self.scheduler.step_pages(work.seqs, [k + 1 for k in work.num_draft])
+        return most
 
     def _collect(self) -> list[Emitted]:
         """Wait for the step in flight and commit it."""
@@ -663,6 +696,11 @@ class Engine:
                     self._finish(seq)
             requests[seq.request.request_id] = seq.request
         return [self._delta(r) for r in requests.values()]
+
+    def _enter(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            for seq in self._to_feed(request):
+                self._enter_cache(seq)
 
     def _enter_cache(self, seq: Sequence) -> None:
         self.kv.add_sequence(seq.seq_id)

@@ -10,7 +10,7 @@ when synchronous, only what is not overlapped when asynchronous. The script chec
 produce the same tokens and the same drafted/accepted counts.
 
     python scripts/bench_async.py [--setting smollm2:ngram:auto qwen-pair:draft:3]
-        [--concurrency 1 4 16] [--max-tokens 64] [--requests-per-client 1]
+        [--concurrency 1 4 16] [--max-tokens 64] [--requests-per-client 1] [--repeats 1]
         [--write docs/benchmarks.md]
 """
 
@@ -94,6 +94,11 @@ def measure(
     )
 
 
+def median_run(rounds: list[Measured]) -> Measured:
+    """The round with the median throughput stands for the cell."""
+    return sorted(rounds, key=lambda m: m.run.tokens_per_s)[len(rounds) // 2]
+
+
 def run_setting(setting: Setting, args: argparse.Namespace) -> list[str]:
     """The setting's table rows, one per concurrency."""
     models = load_models(setting.model)
@@ -110,16 +115,17 @@ def run_setting(setting: Setting, args: argparse.Namespace) -> list[str]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     rows = []
     for c in args.concurrency:
-        measured = {}
-        for on in (False, True):
-            measured[on] = measure(engines[on], prompts[: c * args.requests_per_client], params, c)
-            m = measured[on]
-            print(
-                f"{setting.label} C={c} async={on}: {m.run.tokens_per_s:.1f} tok/s, host on "
-                f"critical path {m.critical_host_ms:.1f} of {m.step_ms:.1f} ms/step",
-                file=sys.stderr,
-            )
-        sync, asy = measured[False], measured[True]
+        rounds: dict[bool, list[Measured]] = {False: [], True: []}
+        for _ in range(args.repeats):  # sync and async alternate, so drift hits both alike
+            for on in (False, True):
+                m = measure(engines[on], prompts[: c * args.requests_per_client], params, c)
+                rounds[on].append(m)
+                print(
+                    f"{setting.label} C={c} async={on}: {m.run.tokens_per_s:.1f} tok/s, host on "
+                    f"critical path {m.critical_host_ms:.1f} of {m.step_ms:.1f} ms/step",
+                    file=sys.stderr,
+                )
+        sync, asy = (median_run(rounds[on]) for on in (False, True))
         same = sync.run.outputs == asy.run.outputs
         same_acceptance = (
             sync.run.stats.accepted_per_position == asy.run.stats.accepted_per_position
@@ -158,6 +164,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds per concurrency; cells show the median run"
+    )
+    parser.add_argument(
         "--write", type=Path, help="replace this run's section (one per set of models) of this file"
     )
     args = parser.parse_args()
@@ -180,7 +189,13 @@ def main() -> None:
             f"Closed loop of C clients, {args.requests_per_client} request(s) each, HumanEval "
             f"and ShareGPT prompts alternating, greedy, exactly {args.max_tokens} output tokens "
             "per request. The same loaded model(s) under two engines that differ only in "
-            "`async_scheduling`, alternating at each concurrency. Host on the critical path: "
+            "`async_scheduling`, alternating at each concurrency"
+            + (
+                f" for {args.repeats} rounds, each cell the round with the median tokens/s"
+                if args.repeats > 1
+                else ""
+            )
+            + ". Host on the critical path: "
             "(wall time - time the step's passes ran) / steps, against the whole step; sync "
             "host phases: schedule / commit / process (text, stop strings, increments) / sample "
             "(inside the step's passes), ms per step. Same tokens: greedy outputs identical; "

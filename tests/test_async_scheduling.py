@@ -11,6 +11,7 @@ import pytest
 from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
+from mlc_spec.runtime.request import Status
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -109,6 +110,35 @@ def test_stop_strings_end_sequences_mid_run(tiny_llama, tiny_llama_draft, method
         assert "".join(o.text for o in outs) == text
         assert sum((o.token_ids for o in outs), []) == ids
     assert on.engine.kv.available_pages() == on.engine.capacity_pages
+
+
+def _admitted_ahead(llm: LLM, prompts, params) -> bool:
+    """Run the requests step by step; whether the last one was ever admitted while a step was
+    in flight (running, but not yet in the cache)."""
+    engine = llm.engine
+    last = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)][-1]
+    ahead = False
+    while engine.has_unfinished():
+        engine.step()
+        ahead |= last.status == Status.RUNNING and not last.sequences[0].in_cache
+    return ahead
+
+
+def test_admission_happens_while_the_step_runs(tiny_llama, tiny_llama_draft):
+    """Two slots: a stop string ends the first request while the next step (with its tokens)
+    is in flight, which frees a slot for the third. It is admitted before that step is
+    collected and enters the cache at the next launch; the outputs are the synchronous
+    engine's."""
+    prompts = _prompts()[:3]
+    sync, on = _pair("ngram", 3, tiny_llama, tiny_llama_draft, max_batch_size=2)
+    stop = sync.generate(prompts[:1], GREEDY)[0].outputs[0].text.split()[3]
+    stopped = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    params = [stopped, GREEDY, GREEDY]
+    expected = _run(sync, prompts, params)
+    assert not _admitted_ahead(sync, prompts, params)
+    assert _admitted_ahead(on, prompts, params)
+    assert _run(on, prompts, params) == expected
+    assert expected[0][2] == "stop" and on.engine.kv.available_pages() == on.engine.capacity_pages
 
 
 def test_seeded_sampling_is_identical(tiny_llama, tiny_llama_draft):

@@ -17,6 +17,7 @@ from mlc_spec.runtime.speculation import (
     expected_tokens,
 )
 from mlc_spec.runtime.speculation.acceptance import INITIAL_ACCEPTANCE
+from mlc_spec.runtime.speculation.warm_up import COARSE_STRIDE, FINE_SIZES, sizes
 
 K = 6
 
@@ -138,6 +139,15 @@ def test_cost_table_is_a_measured_step_function():
     table.observe(3, 0.04)
     assert table.predict(2) == 0.04
     assert CostTable().predict(3) is None
+
+
+def test_warm_up_times_every_small_size_and_a_stride_of_the_large():
+    assert sizes(2, 7) == [2, 3, 4, 5, 6, 7]  # a batch of one at K = 6: every size
+    wide = sizes(2, 112)  # a batch of 16 at K = 6
+    assert wide[: FINE_SIZES - 1] == list(range(2, FINE_SIZES + 1))
+    assert wide[-1] == 112 and len(wide) < 45
+    assert max(b - a for a, b in zip(wide, wide[1:], strict=False)) <= COARSE_STRIDE
+    assert sizes(3, 2) == []
 
 
 def test_acceptance_prior_and_own_history():

@@ -11,7 +11,7 @@ from ..model import Model
 from ..request import Sequence
 from ..sampler import DraftProbs
 from ..speculation import DraftCosts
-from ..speculation.warm_up import record, spread, time_passes
+from ..speculation.warm_up import record, sizes, spread, time_passes
 from .base import Proposal, Proposer
 
 
@@ -41,10 +41,10 @@ class DraftModelProposer(Proposer):
 
     def warm_up(self, max_rows: int) -> None:
         """First passes of 1..2 x max_rows tokens (a pending token, maybe a backfill, per row)
-        and further passes of 1..max_rows rows."""
-        firsts = [spread(n, 2) for n in range(1, 2 * max_rows + 1)]
+        and further passes of 1..max_rows rows (``sizes`` of each)."""
+        firsts = [spread(n, 2) for n in sizes(1, 2 * max_rows)]
         record(self.costs.first, map(sum, firsts), self._time("prefill", firsts))
-        nexts = [[1] * rows for rows in range(1, max_rows + 1)]
+        nexts = [[1] * rows for rows in sizes(1, max_rows)]
         record(self.costs.next, map(len, nexts), self._time("decode", nexts))
 
     def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:

@@ -14,6 +14,13 @@ from .costs import CostTable
 
 # Tokens each throwaway sequence holds before the timed passes: attention over a short prompt.
 CONTEXT_TOKENS = 32
+# Pass sizes timed at load time: every size up to FINE_SIZES (the small-batch matmul tiles make
+# each of them a step of its own), then every COARSE_STRIDE-th. An unmeasured size is charged
+# what the next measured one costs, and real steps time the sizes they run, so the coarse part
+# costs the policy little, while timing every size of a big model's widest verify passes (up to
+# batch x (K + 1) tokens) would take minutes at load.
+FINE_SIZES = 32
+COARSE_STRIDE = 8
 _SAMPLED = SamplingParams(temperature=1.0)
 
 
@@ -64,6 +71,13 @@ def time_passes(
         for seq_id in ids:
             kv.remove_sequence(seq_id)
     return seconds[1:]
+
+
+def sizes(smallest: int, largest: int) -> list[int]:
+    """The pass sizes to time at load, from ``smallest`` to ``largest`` tokens (or rows)."""
+    fine = range(smallest, min(largest, FINE_SIZES) + 1)
+    coarse = range(FINE_SIZES + COARSE_STRIDE, largest, COARSE_STRIDE)
+    return sorted({*fine, *coarse, largest}) if largest >= smallest else []
 
 
 def spread(tokens: int, max_per_row: int) -> list[int]:
