@@ -48,8 +48,6 @@ from mlc_spec.runtime.artifact import ACTIVATIONS
 
 from .errors import CompileError
 
-# Row tiles: each serves m up to its size (larger m loops over the largest that fits).
-_M_TILES = (1, 2, 3, 4, 6, 8, 12, 16)
 _NIBBLES = 0x0F0F0F0F
 _INT8_MAX = 127.0
 # vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
@@ -59,12 +57,16 @@ _INT16_SUMS = 8
 @dataclass(frozen=True)
 class IntegerDot:
     """One CPU's integer dot product: ``lanes`` int32 lanes per vector register,
-    ``registers`` vector registers, and the LLVM intrinsics computing per lane the sum of 4
+    ``registers`` vector registers, ``max_rows`` rows a kernel pass takes at most (the code
+    vectors of a group, and per row an int32 and a float32 accumulator, fit the registers;
+    each row's address is one offset from a base, so the general registers hold), and the
+    LLVM intrinsics computing per lane the sum of 4
     u8 x s8 products: ``vnni`` (vpdpbusd, acc + dot, exact), or ``maddubs`` (vpmaddubsw:
     pair sums, saturating int16) followed by ``maddwd`` (vpmaddwd: int16 pairs -> int32)."""
 
     lanes: int
     registers: int
+    max_rows: int
     vnni: str | None = None
     maddubs: str | None = None
     maddwd: str | None = None
@@ -120,17 +122,21 @@ class IntegerDot:
 
 # (LLVM CPU features, integer dot) from best to worst.
 _INTEGER_DOTS = (
-    (("avx512vnni", "avx512bw"), IntegerDot(16, 32, vnni="llvm.x86.avx512.vpdpbusd.512")),
+    (("avx512vnni", "avx512bw"), IntegerDot(16, 32, 8, vnni="llvm.x86.avx512.vpdpbusd.512")),
     (
         ("avx512bw",),
         IntegerDot(
-            16, 32, maddubs="llvm.x86.avx512.pmaddubs.w.512", maddwd="llvm.x86.avx512.pmaddw.d.512"
+            16,
+            32,
+            8,
+            maddubs="llvm.x86.avx512.pmaddubs.w.512",
+            maddwd="llvm.x86.avx512.pmaddw.d.512",
         ),
     ),
-    (("avxvnni",), IntegerDot(8, 16, vnni="llvm.x86.avx512.vpdpbusd.256")),
+    (("avxvnni",), IntegerDot(8, 16, 4, vnni="llvm.x86.avx512.vpdpbusd.256")),
     (
         ("avx2",),
-        IntegerDot(8, 16, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"),
+        IntegerDot(8, 16, 4, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"),
     ),
 )
 
@@ -267,7 +273,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
     per_word = 32 // fmt.bits
     words_per_group = fmt.group_size // per_word
     groups, vectors, panels = k // fmt.group_size, panel // lanes, n // panel
-    tiles = [t for t in _M_TILES if 2 * t + 6 <= dot.registers]
+    largest = dot.max_rows
     zero = 0 if fmt.asymmetric else 1 << (fmt.bits - 1)
     f32 = f"float32x{lanes}"
 
@@ -302,42 +308,37 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                     parts.append((part, column + offset, weight))
             return parts
 
-        def tile(m_tile: int) -> None:
-            together = _vectors_together(dot, m_tile, vectors)
-            accs = m_tile * together
-            with (
-                T.parallel(0, panels) as p,
-                T.serial(0, vectors // together) as vo,
-                T.serial(0, (m + m_tile - 1) // m_tile) as mo,
-            ):
-                acc = T.alloc_buffer((accs * lanes,), "float32", scope="local")
-                for i in range(accs):
-                    acc_store(acc, i, tirx.Broadcast(T.float32(0), lanes))
-                rows = [T.Bind(T.min(mo * m_tile + r, m - 1)) for r in range(m_tile)]
-                with T.serial(0, groups) as g:
-                    for v in range(together):
-                        lane0 = (vo * together + v) * lanes
-                        parts = group_parts(p, g, lane0)
-                        scale = T.Bind(scales.vload([p, g, lane0], f32))
-                        offset = None
-                        if offsets is not None:
-                            offset = T.Bind(offsets.vload([p, g, lane0], f32))
-                        for r, row in enumerate(rows):
-                            ints = dot.accumulate([(c, x_word(row, col), w) for c, col, w in parts])
-                            if zero:
-                                ints = ints - tirx.Broadcast(zero * xsum[row, g], lanes)
-                            term = T.Cast(f32, ints) * tirx.Broadcast(xs[row, g], lanes) * scale
-                            if offset is not None:
-                                sums = T.Cast("float32", xsum[row, g]) * xs[row, g]
-                                term = term + offset * tirx.Broadcast(sums, lanes)
-                            i = r * together + v
-                            acc_store(acc, i, acc_load(acc, i) + term)
-                for r, row in enumerate(rows):
-                    with T.If(mo * m_tile + r < m), T.Then():
-                        for v in range(together):
-                            column = p * panel + (vo * together + v) * lanes
-                            out_ramp = T.ramp(column, 1, lanes)
-                            T.buffer_store(out, acc_load(acc, r * together + v), [row, out_ramp])
+        def rows_at(p, vo, together: int, rows: int, base) -> None:
+            """Rows base .. base + rows - 1 (all valid) times the ``together`` vectors of
+            panel p from vector vo * together on: the code vectors of each group are loaded
+            and decoded once for all the rows."""
+            acc = T.alloc_buffer((rows * together * lanes,), "float32", scope="local")
+            for i in range(rows * together):
+                acc_store(acc, i, tirx.Broadcast(T.float32(0), lanes))
+            with T.serial(0, groups) as g:
+                for v in range(together):
+                    lane0 = (vo * together + v) * lanes
+                    parts = group_parts(p, g, lane0)
+                    scale = T.Bind(scales.vload([p, g, lane0], f32))
+                    offset = None
+                    if offsets is not None:
+                        offset = T.Bind(offsets.vload([p, g, lane0], f32))
+                    for r in range(rows):
+                        row = base + r
+                        ints = dot.accumulate([(c, x_word(row, col), w) for c, col, w in parts])
+                        if zero:
+                            ints = ints - tirx.Broadcast(zero * xsum[row, g], lanes)
+                        term = T.Cast(f32, ints) * tirx.Broadcast(xs[row, g], lanes) * scale
+                        if offset is not None:
+                            sums = T.Cast("float32", xsum[row, g]) * xs[row, g]
+                            term = term + offset * tirx.Broadcast(sums, lanes)
+                        i = r * together + v
+                        acc_store(acc, i, acc_load(acc, i) + term)
+            for r in range(rows):
+                for v in range(together):
+                    column = p * panel + (vo * together + v) * lanes
+                    value = acc_load(acc, r * together + v)
+                    T.buffer_store(out, value, [base + r, T.ramp(column, 1, lanes)])
 
         def acc_load(acc, i: int):
             return acc.vload([i * lanes], f32)
@@ -345,16 +346,39 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         def acc_store(acc, i: int, value) -> None:
             T.buffer_store(acc, value, [T.ramp(i * lanes, 1, lanes)])
 
-        def dispatch(i: int) -> None:
-            if i == len(tiles) - 1:
-                tile(tiles[i])
+        def exact(rows: int) -> None:
+            """m == rows <= the largest tile: one pass, every weight vector read once."""
+            together = _vectors_together(dot, rows, vectors)
+            with T.parallel(0, panels) as p, T.serial(0, vectors // together) as vo:
+                rows_at(p, vo, together, rows, 0)
+
+        def tiled() -> None:
+            """m > the largest tile: full tiles, then the rest as one exact tile, per vector
+            of the panel."""
+            full = (m // largest) * largest
+            with T.parallel(0, panels) as p, T.serial(0, vectors) as vo:
+                with T.serial(0, m // largest) as mo:
+                    rows_at(p, vo, 1, largest, mo * largest)
+                chain(m - full, list(range(1, largest)), lambda r: rows_at(p, vo, 1, r, full))
+
+        def chain(value, cases: list[int], body) -> None:
+            """if value == cases[0]: body(cases[0]) elif ...: one branch per case."""
+            if not cases:
                 return
-            with T.If(m <= tiles[i]):
+            with T.If(value == cases[0]):
                 with T.Then():
-                    tile(tiles[i])
+                    body(cases[0])
+                if len(cases) > 1:
+                    with T.Else():
+                        chain(value, cases[1:], body)
+
+        def dispatch() -> None:
+            with T.If(m <= largest):
+                with T.Then():
+                    chain(m, list(range(1, largest + 1)), exact)
                 with T.Else():
-                    dispatch(i + 1)
+                    tiled()
 
         with T.sblock("root"):
-            dispatch(0)
+            dispatch()
     return ib.get()

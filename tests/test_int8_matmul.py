@@ -24,8 +24,8 @@ FORMATS = [
     GroupFormat(8, 32),
     GroupFormat(8, 16, True),
 ]
-# m = 1..40: every row tile of both vector widths, tails, and m beyond the largest tile.
-ROWS = (1, 2, 3, 4, 5, 7, 8, 11, 12, 13, 16, 40)
+# Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
 
 
 def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
