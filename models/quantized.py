@@ -143,9 +143,9 @@ def _matmul(
     name: str,
     activation_matmul: ActivationMatmul | None,
 ) -> nn.Tensor:
-    """x @ W.T by ``activation_matmul`` where it applies (a quantized weight, float32 out),
-    else with float activations."""
-    if activation_matmul is not None and weight.fmt is not None and out_dtype == "float32":
+    """x @ W.T by ``activation_matmul`` for a quantized weight (float32 out: it is for llvm,
+    whose models are float32), else with float activations."""
+    if activation_matmul is not None and weight.fmt is not None:
         return activation_matmul(x, weight, name)
     return quantized_matmul(x, weight, out_dtype, name)
 
