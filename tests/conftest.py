@@ -9,6 +9,7 @@ import pytest
 import sampling_oracle
 from compiled_sampling import CompiledSampling, cpu_sampler
 from tiny_models import (
+    fake_quantize_activations,
     make_tiny_model,
     perturbed_copy,
     quantize_dequantize,
@@ -34,7 +35,8 @@ class TinyModel:
 
     With ``quantization`` (q4 / q8) the artifact's linear and embedding weights are
     group-quantized, and the reference is the same model with each of those weights replaced
-    by its quantize-dequantize round trip (``compiler.quantization``'s numpy reference)."""
+    by its quantize-dequantize round trip (``compiler.quantization``'s numpy reference); with
+    ``activations="int8"`` too, the reference quantizes every linear layer's input likewise."""
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class TinyModel:
         seed: int = 0,
         hf=None,
         quantization: str | None = None,
+        activations: str = "float",
         **config_overrides,
     ):
         self.hf = (
@@ -55,9 +58,12 @@ class TinyModel:
             root / "artifact",
             show_progress=False,
             quantization=quantization,
+            activations=activations,
         )
         if quantization is not None:
             self.hf = quantize_dequantize(self.hf, bits=int(quantization[1:]))
+        if activations == "int8":
+            self.hf = fake_quantize_activations(self.hf)
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +95,17 @@ def tiny_llama_q4(tmp_path_factory) -> TinyModel:
 def tiny_qwen2_q8(tmp_path_factory) -> TinyModel:
     """Tied embeddings: the quantized table serves the lookup and the LM head."""
     return TinyModel(tmp_path_factory.mktemp("tiny_qwen2_q8"), "qwen2", quantization="q8")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_q4_int8(tmp_path_factory) -> TinyModel:
+    """q4 weights times int8 activations (``--activations int8``)."""
+    return TinyModel(
+        tmp_path_factory.mktemp("tiny_llama_q4_int8"),
+        "llama",
+        quantization="q4",
+        activations="int8",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -127,12 +127,27 @@ def test_missing_model_path_from_the_shell(tmp_path):
     [
         (["--cpu", "pentium-9000"], "unknown CPU 'pentium-9000'"),
         (["--quantization", "q3"], "unknown quantization 'q3'"),
+        (["--activations", "int4"], "unknown activations 'int4'; choose one of float, int8"),
+        (["--activations", "int8"], "--activations int8 applies to quantized weights"),
+        (
+            ["--activations", "int8", "--quantization", "q4", "--cpu", "x86-64"],
+            "needs a CPU with AVX2 or newer",
+        ),
     ],
 )
-def test_bad_cpu_or_quantization(checkpoint, tmp_path, capsys, flags, expected):
+def test_bad_cpu_quantization_or_activations(checkpoint, tmp_path, capsys, flags, expected):
     out = tmp_path / "out"
     code, message = _compile(capsys, str(checkpoint), "--target", "llvm", *flags, "-o", str(out))
     assert code == 1 and expected in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_int8_activations_need_llvm(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, message = _compile(
+        capsys, str(checkpoint), "--target", "cuda", "--activations", "int8", "-o", str(out)
+    )
+    assert code == 1 and "--activations int8 applies to --target llvm only" in message, message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 

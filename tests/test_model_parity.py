@@ -18,8 +18,18 @@ def _assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.fixture(params=["tiny_llama", "tiny_qwen2", "tiny_llama_q4", "tiny_qwen2_q8"])
+TINY = ["tiny_llama", "tiny_qwen2", "tiny_llama_q4", "tiny_qwen2_q8"]
+
+
+@pytest.fixture(params=TINY)
 def tiny(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=[*TINY, "tiny_llama_q4_int8"])
+def any_tiny(request):
+    """Also int8 activations, which no transformers model computes exactly: the KV-cache
+    operations speculation relies on must hold for them too."""
     return request.getfixturevalue(request.param)
 
 
@@ -59,10 +69,10 @@ def test_ragged_prefill_and_batched_decode_match_transformers(tiny):
 
 
 @pytest.mark.parametrize("draft_lens", [(1, 4, 6), (2, 3, 7), (5, 5, 6)])
-def test_multi_query_equals_single_decodes_ragged(tiny, draft_lens):
+def test_multi_query_equals_single_decodes_ragged(any_tiny, draft_lens):
     """A ragged batch verified at once equals K decodes per sequence; 11, 12 and 16 rows in
     all cover the matmuls' small-m row tiles (and their padding) beyond the decode path."""
-    model = Model(tiny.artifact)
+    model = Model(any_tiny.artifact)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, n) for n in (9, 21, 14)]
     drafts = [rng.integers(0, VOCAB, k) for k in draft_lens]
@@ -78,8 +88,8 @@ def test_multi_query_equals_single_decodes_ragged(tiny, draft_lens):
     assert [kv.sequence_length(i) for i in range(3)] == lengths
 
 
-def test_popn_rollback_equals_never_decoded(tiny):
-    model = Model(tiny.artifact)
+def test_popn_rollback_equals_never_decoded(any_tiny):
+    model = Model(any_tiny.artifact)
     rng = np.random.default_rng(4)
     # 14 + 5 tokens fill one 16-token page and start another; the rollback crosses back.
     prompt, draft, nxt = rng.integers(0, VOCAB, 14), rng.integers(0, VOCAB, 5), 7

@@ -60,3 +60,15 @@ def test_draft_equal_to_target_accepts_everything(tiny_llama, reference):
     stats = llm.metrics()
     assert stats["acceptance_rate"] == 1.0
     assert stats["num_drafts"] > 0
+
+
+def test_int8_activations_are_lossless(tiny_llama_q4_int8, tiny_llama_draft):
+    """Against the same int8-activation artifact without speculation: verified rows are
+    computed as decoded ones are, so greedy tokens agree with a draft model and with n-grams."""
+    target = tiny_llama_q4_int8.artifact
+    reference = _token_ids(LLM(target), _prompts())
+    for method, draft in (("draft", tiny_llama_draft.artifact), ("ngram", None)):
+        spec = {"method": method, "num_speculative_tokens": 4}
+        llm = LLM(target, draft_model=draft, speculative=spec)
+        assert _token_ids(llm, _prompts()) == reference, method
+        assert llm.metrics()["num_accepted_tokens"] > 0, method

@@ -73,6 +73,24 @@ def quantize_dequantize(model: torch.nn.Module, bits: int) -> torch.nn.Module:
     return copy
 
 
+def fake_quantize_activations(model: torch.nn.Module, group: int = 32) -> torch.nn.Module:
+    """``model`` with the input of every linear layer quantized to int8 per row and group of
+    ``group`` and back (scale amax / 127, round half to even): the float model that an
+    ``--activations int8`` artifact of it computes with integer dot products."""
+
+    def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+        amax = g.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        return (torch.round(g * inv) * (amax / 127)).reshape(x.shape), *args[1:]
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(quantize)
+    return model
+
+
 def save_tiny_checkpoint(model: torch.nn.Module, out_dir: Path) -> Path:
     """Save weights, config and a word-level tokenizer over the same vocabulary."""
     model.save_pretrained(out_dir)

@@ -26,6 +26,7 @@ def _compile(args: argparse.Namespace) -> None:
         attention=args.attention,
         quantization=args.quantization,
         cpu=args.cpu,
+        activations=args.activations,
     )
 
 
@@ -157,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="as-source (default for GGUF: keep each tensor's 4/8-bit quantization as shipped), "
         "q4 / q8 (group-quantize float weights), none (float; default for Hugging Face)",
+    )
+    p.add_argument(
+        "--activations",
+        default="float",
+        help="float (default) or int8: llvm, quantized weights: quantize each activation row "
+        "per group to int8 for integer dot products (faster verification, not bit-parity "
+        "with transformers)",
     )
     p.add_argument(
         "--cpu",

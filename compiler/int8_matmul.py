@@ -1,0 +1,384 @@
+"""Linear layers with int8 activations on the CPU (``mlc-spec compile --activations int8``).
+
+With float activations, m rows cost m x (parameters) FMAs, so verifying a few draft tokens is
+compute bound at several decode steps. As llama.cpp does, this path quantizes each activation
+row per weight group (symmetric int8: scale = amax / 127, codes rounded to nearest even) and
+multiplies the weight codes by it with integer dot products: ``vpdpbusd`` (AVX-512 VNNI,
+AVX-VNNI), or ``vpmaddubsw`` + ``vpmaddwd`` (AVX-512BW, AVX2), 4 multiply-adds per 32-bit lane
+and instruction against an FMA's one.
+
+Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
+
+* ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 [M, K/group]
+  and code sums int32 [M, K/group]. For 4-bit weights the codes of every 8 columns are stored
+  even columns first (0, 2, 4, 6, 1, 3, 5, 7), the order of a weight word's nibbles: the low
+  nibbles (even k) and the high nibbles (odd k) of 16 output rows, masked out of one vector of
+  code words, each meet 4 consecutive activation bytes broadcast to every lane.
+* ``int8_matmul`` over the panels of ``models/quantized.py`` (64 output rows, k-major): per
+  group, acc = sum(code * xq) in int32, exactly; then out += (acc - zero * sum(xq)) * scale *
+  xscale, plus offset * xscale * sum(xq) for asymmetric formats. Each vector of code words is
+  decoded once and applied to every row of an m tile, so a call reads each weight block once
+  per tile. The kernel serves every m, prefill included: one arithmetic for every row, whatever
+  the batch, keeps verified rows bit-identical to decoded ones (greedy speculation stays
+  lossless) and gives prefill the cheaper integer arithmetic too.
+
+``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so codes must stay below 16 on
+that path: 8-bit codes are split into nibbles, whose dot products ``vpmaddwd`` weights by 1 and
+16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+
+import tvm
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder.tirx import prim_func as build_prim_func
+from tvm.target import Target
+
+from mlc_spec.models.quantized import GroupFormat, QuantizedWeight, panel_width
+from mlc_spec.runtime.artifact import ACTIVATIONS
+
+from .errors import CompileError
+
+_NIBBLES = 0x0F0F0F0F
+_INT8_MAX = 127.0
+# vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
+_INT16_SUMS = 8
+
+
+@dataclass(frozen=True)
+class IntegerDot:
+    """One CPU's integer dot product: ``lanes`` int32 lanes per vector register,
+    ``registers`` vector registers, ``max_rows`` rows a kernel pass takes at most (the code
+    vectors of a group, and per row an int32 and a float32 accumulator, fit the registers;
+    each row's address is one offset from a base, so the general registers hold), and the
+    LLVM intrinsics computing per lane the sum of 4
+    u8 x s8 products: ``vnni`` (vpdpbusd, acc + dot, exact), or ``maddubs`` (vpmaddubsw:
+    pair sums, saturating int16) followed by ``maddwd`` (vpmaddwd: int16 pairs -> int32)."""
+
+    lanes: int
+    registers: int
+    max_rows: int
+    vnni: str | None = None
+    maddubs: str | None = None
+    maddwd: str | None = None
+
+    def decode(self, word, bits: int) -> list[tuple]:
+        """A vector of code words -> its parts (codes, byte offset of their activations in
+        the word's columns, weight): 4-bit words give low nibbles (even k) and high nibbles
+        (odd k, 4 bytes on in the interleaved activations); 8-bit words on the vpmaddubsw path
+        give their nibbles, weighted 1 and 16, so that no int16 pair sum saturates."""
+        if bits == 8 and self.vnni:
+            return [(word, 0, 1)]
+        lo = T.Bind(word & self._i32_const(_NIBBLES))
+        hi = T.Bind((word >> self._i32_const(4)) & self._i32_const(_NIBBLES))
+        return [(lo, 0, 1), (hi, 4, 1)] if bits == 4 else [(lo, 0, 1), (hi, 0, 16)]
+
+    def accumulate(self, parts: list[tuple]):
+        """The exact int32 sum of weight x dot(codes, x) over ``parts`` (codes, x: an int32
+        of 4 int8 activations, broadcast to every lane; weight): a chain of vpdpbusd, or
+        vpmaddubsw pair sums added in int16 (at most 8 of <= 2 * 15 * 127 each) and widened
+        by one vpmaddwd per weight."""
+        acc = self._i32_const(0)
+        if self.vnni:
+            for codes, x, _ in parts:
+                acc = T.call_llvm_pure_intrin(self.i32, self.vnni, acc, *self._bytes(codes, x))
+            return acc
+        for weight in sorted({w for _, _, w in parts}):
+            sums = [self._pair_sums(c, x) for c, x, w in parts if w == weight]
+            for i in range(0, len(sums), _INT16_SUMS):
+                acc = acc + self._madd(_tree(lambda a, b: a + b, sums[i : i + _INT16_SUMS]), weight)
+        return acc
+
+    def _bytes(self, codes, x) -> tuple:
+        """The byte vectors of codes and of x broadcast (LLVM 21+ types both ``vXi8``)."""
+        i8 = f"int8x{4 * self.lanes}"
+        return T.reinterpret(i8, codes), T.reinterpret(i8, tirx.Broadcast(x, self.lanes))
+
+    def _pair_sums(self, codes, x):
+        return T.call_llvm_pure_intrin(
+            f"int16x{2 * self.lanes}", self.maddubs, *self._bytes(codes, x)
+        )
+
+    def _madd(self, pairs, weight: int):
+        w = tirx.Broadcast(tirx.const(weight, "int16"), 2 * self.lanes)
+        return T.call_llvm_pure_intrin(self.i32, self.maddwd, pairs, w)
+
+    @property
+    def i32(self) -> str:
+        return f"int32x{self.lanes}"
+
+    def _i32_const(self, value: int):
+        return tirx.Broadcast(tirx.const(value, "int32"), self.lanes)
+
+
+# (LLVM CPU features, integer dot) from best to worst.
+_INTEGER_DOTS = (
+    (("avx512vnni", "avx512bw"), IntegerDot(16, 32, 8, vnni="llvm.x86.avx512.vpdpbusd.512")),
+    (
+        ("avx512bw",),
+        IntegerDot(
+            16,
+            32,
+            8,
+            maddubs="llvm.x86.avx512.pmaddubs.w.512",
+            maddwd="llvm.x86.avx512.pmaddw.d.512",
+        ),
+    ),
+    (("avxvnni",), IntegerDot(8, 16, 4, vnni="llvm.x86.avx512.vpdpbusd.256")),
+    (
+        ("avx2",),
+        IntegerDot(8, 16, 4, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"),
+    ),
+)
+
+
+def integer_dot(target: Target) -> IntegerDot:
+    """The best integer dot product of ``target``'s CPU; CompileError where it has none."""
+    features = set(tvm.target.codegen.llvm_get_cpu_features(target))
+    for needs, dot in _INTEGER_DOTS:
+        if features.issuperset(needs):
+            return dot
+    raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")
+
+
+def check_activations(activations: str, target: Target) -> None:
+    """One-line refusals of an ``--activations`` value that is unknown or not for ``target``
+    (whether the model has quantized weights is checked once they are planned)."""
+    if activations not in ACTIVATIONS:
+        raise CompileError(
+            f"unknown activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}"
+        )
+    if activations == "int8" and target.kind.name != "llvm":
+        raise CompileError(
+            f"--activations int8 applies to --target llvm only, not {target.kind.name}"
+        )
+    if activations == "int8":
+        integer_dot(target)
+
+
+class Int8Matmul:
+    """x @ W.T with x quantized to int8 per row and group, for one CPU target: the layers'
+    ``matmul`` for quantized weights (``models.quantized.quantize_layers``)."""
+
+    def __init__(self, target: Target):
+        self.dot = integer_dot(target)
+
+    def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor:
+        (n, k), fmt = weight.shape, weight.fmt
+        rows = op.reshape(x, (-1, k))
+        m, groups = rows.shape[0], k // fmt.group_size
+        xq, xs, xsum = op.tensor_ir_op(
+            quantize_func(k, fmt.group_size, interleave=fmt.bits == 4),
+            f"{name}_quantize_x",
+            [rows],
+            [
+                nn.Tensor.placeholder((m, k), "int8"),
+                nn.Tensor.placeholder((m, groups), "float32"),
+                nn.Tensor.placeholder((m, groups), "int32"),
+            ],
+        )
+        out = op.tensor_ir_op(
+            matmul_func(self.dot, fmt, n, k, panel_width(n)),
+            f"{name}_int8",
+            [xq, xs, xsum, *weight.tensors()],
+            nn.Tensor.placeholder((m, n), "float32"),
+        )
+        return op.reshape(out, (*x.shape[:-1], n))
+
+
+@contextmanager
+def _prim_func() -> Iterator[None]:
+    """A PrimFunc frame for a kernel scheduled here: the dlight rules must leave it alone, and
+    fusing it with a neighbour would hand the fused function back to them. Unnamed: the
+    module names each kernel where it is added. ``s_tir``, with the body in a root block, as
+    Relax's analyses expect."""
+    with build_prim_func(s_tir=True):
+        T.func_attr({"tirx.is_scheduled": True, "op_pattern": 8, "tirx.noalias": True})
+        yield
+
+
+def _slot(j: int, interleave: bool) -> int:
+    """Where column j of a group is stored: with ``interleave``, each 8 columns even first."""
+    if not interleave:
+        return j
+    block, i = divmod(j, 8)
+    return 8 * block + (i // 2 if i % 2 == 0 else 4 + i // 2)
+
+
+def _tree(combine: Callable, values: list):
+    """A balanced reduction tree: short dependency chains."""
+    while len(values) > 1:
+        pairs = [combine(a, b) for a, b in zip(values[0::2], values[1::2], strict=False)]
+        values = pairs + ([values[-1]] if len(values) % 2 else [])
+    return values[0]
+
+
+def _horizontal(combine: Callable, vector, lanes: int):
+    """The lanes of ``vector`` combined into a scalar, halving the vector each step."""
+    while lanes > 1:
+        lanes //= 2
+        vector = T.Bind(vector)
+        low = tirx.Shuffle([vector], list(range(lanes)))
+        high = tirx.Shuffle([vector], list(range(lanes, 2 * lanes)))
+        vector = combine(low, high)
+    return vector
+
+
+@cache
+def quantize_func(k: int, group: int, interleave: bool) -> tirx.PrimFunc:
+    """x [M, k] float32 -> (codes int8 [M, k], scales [M, k/group], code sums int32 [M, k/group]):
+    per row and group, scale = amax / 127 and code = nearbyint(x * (127 / amax)), 0 for an
+    all-zero group; ``interleave`` orders each 8 columns even first (module docstring)."""
+    groups = k // group
+    with IRBuilder() as ib, _prim_func():
+        m = T.int64()
+        x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
+        xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
+        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
+        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int32")
+        with T.sblock("root"), T.serial(0, m) as r, T.serial(0, groups) as g:
+            v = T.Bind(x.vload([r, g * group], f"float32x{group}"))
+            amax = T.Bind(_horizontal(T.max, T.abs(v), group))
+            inv = T.Bind(T.Select(amax > T.float32(0), T.float32(_INT8_MAX) / amax, T.float32(0)))
+            codes = T.Bind(T.Cast(f"int32x{group}", T.nearbyint(v * tirx.Broadcast(inv, group))))
+            order = sorted(range(group), key=lambda j: _slot(j, interleave))
+            stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
+            T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
+            T.buffer_store(xs, amax / T.float32(_INT8_MAX), [r, g])
+            T.buffer_store(xsum, _horizontal(lambda a, b: a + b, codes, group), [r, g])
+    return ib.get()
+
+
+def _vectors_together(dot: IntegerDot, m_tile: int, vectors: int) -> int:
+    """Vectors of a panel processed together by an m tile: as many as their int32 and
+    float32 accumulators (2 per row and vector) leave registers for, at least one."""
+    fit = (dot.registers - 6) // (2 * m_tile)
+    return next((v for v in range(min(fit, vectors), 0, -1) if vectors % v == 0), 1)
+
+
+@cache
+def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -> tirx.PrimFunc:
+    """out [M, n] float32 from ``quantize_func``'s outputs and a weight [n, k] in panels of
+    ``panel`` rows in format ``fmt``: one kernel, branching on M over the row tiles."""
+    lanes = dot.lanes
+    per_word = 32 // fmt.bits
+    words_per_group = fmt.group_size // per_word
+    groups, vectors, panels = k // fmt.group_size, panel // lanes, n // panel
+    largest = dot.max_rows
+    zero = 0 if fmt.asymmetric else 1 << (fmt.bits - 1)
+    f32 = f"float32x{lanes}"
+
+    with IRBuilder() as ib, _prim_func():
+        m = T.int64()
+        xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
+        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
+        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int32")
+        codes = T.arg("codes", T.buffer((panels, k // per_word, panel), "uint32"))
+        scales = T.arg("scales", T.buffer((panels, groups, panel), "float32"))
+        offsets = (
+            T.arg("offsets", T.buffer((panels, groups, panel), "float32"))
+            if fmt.asymmetric
+            else None
+        )
+        out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
+
+        def x_word(row, column):
+            """4 activation codes from ``column`` on, as one int32."""
+            return T.reinterpret("int32", xq.vload([row, column], "int8x4"))
+
+        def group_parts(p, g, lane0) -> list[tuple]:
+            """The decoded code vectors of group g, lanes from ``lane0``, with the column
+            of their first activation and their weight."""
+            parts = []
+            for w in range(words_per_group):
+                word = codes.vload([p, g * words_per_group + w, lane0], f"uint32x{lanes}")
+                column = g * fmt.group_size + w * per_word
+                for part, offset, weight in dot.decode(
+                    T.Bind(T.reinterpret(dot.i32, word)), fmt.bits
+                ):
+                    parts.append((part, column + offset, weight))
+            return parts
+
+        def rows_at(p, vo, together: int, rows: int, base) -> None:
+            """Rows base .. base + rows - 1 (all valid) times the ``together`` vectors of
+            panel p from vector vo * together on: the code vectors of each group are loaded
+            and decoded once for all the rows."""
+            acc = T.alloc_buffer((rows * together * lanes,), "float32", scope="local")
+            for i in range(rows * together):
+                acc_store(acc, i, tirx.Broadcast(T.float32(0), lanes))
+            with T.serial(0, groups) as g:
+                for v in range(together):
+                    lane0 = (vo * together + v) * lanes
+                    parts = group_parts(p, g, lane0)
+                    scale = T.Bind(scales.vload([p, g, lane0], f32))
+                    offset = None
+                    if offsets is not None:
+                        offset = T.Bind(offsets.vload([p, g, lane0], f32))
+                    for r in range(rows):
+                        row = base + r
+                        ints = dot.accumulate([(c, x_word(row, col), w) for c, col, w in parts])
+                        if zero:
+                            ints = ints - tirx.Broadcast(zero * xsum[row, g], lanes)
+                        term = T.Cast(f32, ints) * tirx.Broadcast(xs[row, g], lanes) * scale
+                        if offset is not None:
+                            sums = T.Cast("float32", xsum[row, g]) * xs[row, g]
+                            term = term + offset * tirx.Broadcast(sums, lanes)
+                        i = r * together + v
+                        acc_store(acc, i, acc_load(acc, i) + term)
+            for r in range(rows):
+                for v in range(together):
+                    column = p * panel + (vo * together + v) * lanes
+                    value = acc_load(acc, r * together + v)
+                    T.buffer_store(out, value, [base + r, T.ramp(column, 1, lanes)])
+
+        def acc_load(acc, i: int):
+            return acc.vload([i * lanes], f32)
+
+        def acc_store(acc, i: int, value) -> None:
+            T.buffer_store(acc, value, [T.ramp(i * lanes, 1, lanes)])
+
+        def exact(rows: int) -> None:
+            """m == rows <= the largest tile: one pass, every weight vector read once."""
+            together = _vectors_together(dot, rows, vectors)
+            with T.parallel(0, panels) as p, T.serial(0, vectors // together) as vo:
+                rows_at(p, vo, together, rows, 0)
+
+        def tiled() -> None:
+            """m > the largest tile: full tiles, then the rest as one exact tile, per vector
+            of the panel."""
+            full = (m // largest) * largest
+            with T.parallel(0, panels) as p, T.serial(0, vectors) as vo:
+                with T.serial(0, m // largest) as mo:
+                    rows_at(p, vo, 1, largest, mo * largest)
+                chain(m - full, list(range(1, largest)), lambda r: rows_at(p, vo, 1, r, full))
+
+        def chain(value, cases: list[int], body) -> None:
+            """if value == cases[0]: body(cases[0]) elif ...: one branch per case."""
+            if not cases:
+                return
+            with T.If(value == cases[0]):
+                with T.Then():
+                    body(cases[0])
+                if len(cases) > 1:
+                    with T.Else():
+                        chain(value, cases[1:], body)
+
+        def dispatch() -> None:
+            with T.If(m <= largest):
+                with T.Then():
+                    chain(m, list(range(1, largest + 1)), exact)
+                with T.Else():
+                    tiled()
+
+        with T.sblock("root"):
+            dispatch()
+    return ib.get()

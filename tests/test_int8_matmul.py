@@ -1,0 +1,123 @@
+"""The int8-activation matmul (``--activations int8``) against a numpy reference of the same
+activation quantization and integer dot product, for every group format, every row tile and
+every integer-dot instruction set this CPU runs; and the instructions LLVM emits for them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from mlc_spec.compiler.int8_matmul import Int8Matmul, integer_dot, matmul_func
+from mlc_spec.compiler.pipeline import relax_pipeline
+from mlc_spec.compiler.quantization import GroupFormat, QuantizedTensor, pack_codes, unpack_codes
+from mlc_spec.compiler.targets import make_target, vector_features
+from mlc_spec.models.quantized import QuantizedLinear, to_panels
+
+N, K = 128, 256  # two panels of 64 rows; 8 groups of 32
+FORMATS = [
+    GroupFormat(4, 32),
+    GroupFormat(4, 32, True),
+    GroupFormat(8, 32),
+    GroupFormat(8, 16, True),
+]
+# Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
+
+
+def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's activation quantization in numpy float32: per row and group, codes
+    nearbyint(x * (127 / amax)) and scale amax / 127."""
+    m, k = x.shape
+    g = x.reshape(m, k // group, group)
+    amax = np.abs(g).max(-1)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.rint(g * inv[..., None]).astype(np.int64), amax / np.float32(127)
+
+
+def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
+    """x @ W.T with x quantized as the kernel does it: exact integer dots per group, then
+    (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
+    fmt = w.fmt
+    q, xs = quantize_rows(x, fmt.group_size)
+    n, k = w.shape
+    codes = unpack_codes(w.codes, fmt.bits).astype(np.int64).reshape(n, -1, fmt.group_size)
+    acc = np.einsum("mgj,ngj->mng", q, codes)
+    xsum = q.sum(-1)[:, None, :]
+    term = (acc - fmt.zero * xsum) * w.scales.astype(np.float64) * xs[:, None, :]
+    if fmt.asymmetric:
+        term = term + w.offsets.astype(np.float64) * xs[:, None, :] * xsum
+    return term.sum(-1)
+
+
+def _weight(fmt: GroupFormat, rng: np.random.Generator) -> QuantizedTensor:
+    groups = (N, K // fmt.group_size)
+    codes = rng.integers(0, 1 << fmt.bits, (N, K))
+    scales = rng.uniform(0.01, 0.1, groups).astype(np.float32)
+    offsets = rng.normal(0, 0.2, groups).astype(np.float32) if fmt.asymmetric else None
+    return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), scales, offsets)
+
+
+class _Linears(nn.Module):
+    """One quantized linear layer per format over the same input, outputs side by side."""
+
+    def __init__(self, target: tvm.target.Target):
+        kernel = Int8Matmul(target)
+        self.layers = nn.ModuleList(
+            [QuantizedLinear(nn.Linear(K, N, bias=False), fmt, kernel) for fmt in FORMATS]
+        )
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return op.concat([layer(x) for layer in self.layers], dim=-1)
+
+
+def _inputs(rows: int, rng: np.random.Generator) -> np.ndarray:
+    x = rng.normal(0, 1, (rows, K)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero group: scale 0
+    x[-1, 40] = 50  # an outlier: the rest of its group rounds to few levels
+    return x
+
+
+@pytest.mark.parametrize("cpu", ["native", "x86-64-v3", "x86-64-v4"])
+def test_int8_matmul_matches_numpy(cpu):
+    """native: VNNI where this CPU has it; x86-64-v3: AVX2 vpmaddubsw; x86-64-v4: AVX-512BW."""
+    target = make_target("llvm", cpu=cpu)
+    if not set(vector_features(target)) <= set(vector_features(make_target("llvm"))):
+        pytest.skip(f"this CPU cannot run {cpu} code")
+    rng = np.random.default_rng(0)
+    weights = [_weight(fmt, rng) for fmt in FORMATS]
+    mod, _ = _Linears(target).export_tvm(
+        spec={"forward": {"x": nn.spec.Tensor(["m", K], "float32")}}
+    )
+    vm = relax.VirtualMachine(
+        tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, "float32")),
+        tvm.cpu(),
+    )
+    params = [
+        tvm.runtime.tensor(to_panels(t))
+        for w in weights
+        for t in (w.codes, w.scales, w.offsets)
+        if t is not None
+    ]
+    for rows in ROWS:
+        x = _inputs(rows, rng)
+        out = vm["forward"](tvm.runtime.tensor(x), *params).numpy()
+        ref = np.concatenate([reference(x, w) for w in weights], axis=-1)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=rows)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "instruction"),
+    [("native", "vpdpbusd"), ("x86-64-v3", "vpmaddubsw"), ("x86-64-v4", "vpmaddubsw")],
+)
+def test_integer_dot_instructions_are_emitted(cpu, instruction):
+    target = make_target("llvm", cpu=cpu)
+    if cpu == "native" and "avx512vnni" not in tvm.target.codegen.llvm_get_cpu_features(target):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16)):
+        func = matmul_func(integer_dot(target), fmt, N, K, 64).with_attr("global_symbol", "main")
+        asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
+        assert instruction in asm, fmt.name
