@@ -8,7 +8,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from .cpu_attention import CPUAttention
+from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
 from .gpu_tensorize import SkipTensorize
@@ -35,7 +35,7 @@ class _Guarded(ScheduleRule):
 
 def _schedule_rules(target: Target) -> list[ScheduleRule]:
     if target.kind.name == "llvm":
-        rules = [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise(), CPUAttention()]
+        rules = [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise()]
     else:
         rules = [
             dl.gpu.Matmul(),
@@ -51,9 +51,11 @@ def _schedule_rules(target: Target) -> list[ScheduleRule]:
 def relax_pipeline(target: Target, dtype: str) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
-    ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels."""
+    ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
+    the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``)."""
     is_gpu = target.kind.name != "llvm"
     passes = [
+        *([] if is_gpu else [UseCPUAttentionKernels()]),
         rx.transform.FuseTransposeMatmul(),
         rx.backend.DispatchSortScan(),
         rx.transform.LegalizeOps(),
