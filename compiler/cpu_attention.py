@@ -361,12 +361,12 @@ def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pr
     return batch_prefill_ragged_kv_cpu
 
 
-# The KV cache's llvm kernels by the name TIRPagedKVCache gives them -> (kernel factory, index
+# The KV cache's llvm kernels, by their names in an exported module -> (kernel factory, index
 # of the parameter holding the KV heads, and its axis of them).
 KERNELS = {
-    "tir_attention_decode_cpu": (attention_decode, 1, 2),
-    "tir_attention_prefill_cpu": (attention_prefill_paged, 2, 2),
-    "tir_attention_prefill_ragged_cpu": (attention_prefill_ragged, 2, 1),
+    "batch_decode_paged_kv_cpu": (attention_decode, 1, 2),
+    "batch_prefill_paged_kv_cpu": (attention_prefill_paged, 2, 2),
+    "batch_prefill_ragged_kv": (attention_prefill_ragged, 2, 1),
 }
 
 
@@ -381,9 +381,9 @@ class UseCPUAttentionKernels:
             if gv.name_hint not in KERNELS or not isinstance(func, tirx.PrimFunc):
                 continue
             make, kv_param, kv_axis = KERNELS[gv.name_hint]
-            q = func.buffer_map[func.params[0]]
+            q = func.params[0].ty  # a buffer type: shape and dtype
             if int(q.shape[2]) % LANES:
                 continue  # an unusual head size keeps TVM's kernel
-            h_kv = int(func.buffer_map[func.params[kv_param]].shape[kv_axis])
+            h_kv = int(func.params[kv_param].ty.shape[kv_axis])
             mod[gv] = make(h_kv, int(q.shape[1]), int(q.shape[2]), str(q.dtype))
         return mod

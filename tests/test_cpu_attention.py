@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 import tvm
 import tvm.runtime
+from tiny_models import tiny_config
 
 from mlc_spec.compiler.cpu_attention import (
+    KERNELS,
     PAGE,
+    UseCPUAttentionKernels,
     attention_decode,
     attention_prefill_paged,
     attention_prefill_ragged,
 )
+from mlc_spec.compiler.targets import make_target
+from mlc_spec.models import LlamaForCausalLM, ModelConfig
 
 SM_SCALE = 0.3
 EMPTY_LSE = -5e4
@@ -149,3 +154,17 @@ def test_inline_rope_is_refused():
     args = [_t(x) for x in (q, pool, indptr, values, last, zeros, zeros, np.zeros_like(q))]
     with pytest.raises(Exception, match="RoPE before the cache"):
         f(*args, _t(np.zeros((1, 4), np.float32)), 1, 1.0, 1e4, SM_SCALE)
+
+
+def test_the_kv_cache_gets_these_kernels():
+    """The pass finds TVM's kernels by name in an exported model: a renamed one would silently
+    keep TVM's scalar kernel, which the parity tests would not notice."""
+    cfg = ModelConfig.from_hf(
+        {**tiny_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]}
+    )
+    model = LlamaForCausalLM(cfg, make_target("llvm"))
+    mod, _ = model.export_tvm(spec=model.get_default_spec())
+    tvm_kernels = {name: mod[name] for name in KERNELS}
+    swapped = UseCPUAttentionKernels()(mod)
+    for name, kernel in tvm_kernels.items():
+        assert not swapped[name].same_as(kernel), name
