@@ -11,6 +11,7 @@ from tvm.target import Target
 from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
+from .cpu_rope import UseCPURopeKernel
 from .gpu_tensorize import SkipTensorize
 from .noalias import MarkShapeFuncNoAlias
 
@@ -48,14 +49,19 @@ def _schedule_rules(target: Target) -> list[ScheduleRule]:
     return [_Guarded(rule) for rule in rules]
 
 
-def relax_pipeline(target: Target, dtype: str) -> tvm.transform.Pass:
+def relax_pipeline(
+    target: Target, dtype: str, rope: tuple[float, dict | None] | None = None
+) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
-    the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``)."""
+    the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``) and, given the
+    model's ``rope`` (theta, scaling), a RoPE kernel that computes each angle once
+    (``cpu_rope``)."""
     is_gpu = target.kind.name != "llvm"
+    cpu_kernels = [UseCPUAttentionKernels(), *([UseCPURopeKernel(*rope)] if rope else [])]
     passes = [
-        *([] if is_gpu else [UseCPUAttentionKernels()]),
+        *([] if is_gpu else cpu_kernels),
         rx.transform.FuseTransposeMatmul(),
         rx.backend.DispatchSortScan(),
         rx.transform.LegalizeOps(),
