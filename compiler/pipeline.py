@@ -12,6 +12,7 @@ from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
 from .cpu_rope import UseCPURopeKernel
+from .cpu_rule import SerialWhenSmall
 from .gpu_tensorize import SkipTensorize
 from .noalias import MarkShapeFuncNoAlias
 
@@ -36,7 +37,12 @@ class _Guarded(ScheduleRule):
 
 def _schedule_rules(target: Target) -> list[ScheduleRule]:
     if target.kind.name == "llvm":
-        rules = [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise()]
+        rules = [
+            CPUMatmul(),
+            dl.cpu.GEMV(),
+            SerialWhenSmall(dl.cpu.Reduction()),  # RMS norms: one row per decode step
+            CPUElementwise(),
+        ]
     else:
         rules = [
             dl.gpu.Matmul(),
