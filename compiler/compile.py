@@ -177,7 +177,11 @@ def _write_artifact(
     with progress.stage(f"compiling for {target}"):
         try:
             executable = tvm.compile(
-                ir_module, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target, cfg.dtype)
+                ir_module,
+                target=tvm_target,
+                relax_pipeline=relax_pipeline(
+                    tvm_target, cfg.dtype, rope=(cfg.rope_theta, cfg.rope_scaling)
+                ),
             )
             executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
         except Exception as err:  # noqa: BLE001 - TVM raises many types

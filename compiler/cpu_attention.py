@@ -1,26 +1,391 @@
-"""A CPU schedule rule for the paged KV cache's attention kernels.
+"""Vectorised CPU attention kernels for TVM's paged KV cache, in place of TVM's own.
 
-TVM writes its CPU attention kernels (prefill over pages, over the ragged new chunk, tree
-attention, decode) as one opaque ``attn`` block inside serial loops over query heads or
-sequences, and leaves them unscheduled: prefill attention then runs on one core (~31% of a
-prefill on 2 cores). Each iteration of that outermost loop writes its own rows of the output
-from block-local buffers, so the loop runs in parallel as it is."""
+TVM 0.27 gives the ``llvm`` KV cache scalar attention kernels: one key and one feature at a
+time, the decode kernel on one thread and the ragged prefill kernel on one thread per sequence.
+With its RoPE kernel (``cpu_rope``) they took ~18% of a 128-token SmolLM2 prefill and ~25% of a
+decode step at context 128 (``scripts/profile_step.py``, 1 thread); these kernels are 5-10x
+faster per call (``tests/test_cpu_attention.py`` checks them). The kernels here take
+the same arguments in the same order, because the KV cache calls them by position
+(``src/runtime/vm/attn_backend.h``), so ``UseCPUAttentionKernels`` simply swaps them into the
+module that ``TIRPagedKVCache`` built.
+
+Each (query row, head) pair is one online softmax over its keys, 16 keys (one page) at a time:
+a chunk's scores are dot products over the head dimension in vector registers, and its values
+are added with one vector FMA per key. The thread pool splits the work over (head, block of
+query rows). Scores are kept in base 2 (scaled by log2 e) with TVM's conventions for the
+log-sum-exp output, so TVM's merge kernel combines a prefix's and a chunk's attention as before.
+Only the KV cache's ``RopeMode.NORMAL`` is supported (RoPE applied before the cache), which is
+what ``models/llama.py`` builds; other modes fail with a clear assertion.
+"""
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
-from tvm.target import Target
+import math
 
-from .cpu_rule import CPURule, find_block
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+PAGE = 16  # tokens per KV page, the size TVM 0.27's page kernels are generated for
+ROWS_PER_TASK = 8  # query rows one prefill task attends, one row at a time
+LANES = PAGE  # vector lanes of a dot product and of a chunk's scores; head sizes: multiples
+_EMPTY = -5e4  # TVM's running max before any key: a row with no keys merges with weight 0
+_MASKED = -1e30  # the score of a key past a chunk's end: weight 2**(-1e30 - max) = 0
+_LOG2E = math.log2(math.e)
 
 
-class CPUAttention(CPURule):
-    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
-        block = find_block(sch, "attn")
-        if block is None:
-            return None
-        loops = sch.get_loops(block)
-        if not loops or sch.get(block).iter_vars:
-            return None
-        sch.parallel(loops[0])
-        return sch
+# Taylor coefficients of 2**f = exp(f ln 2) for |f| <= 1/2: relative error ~1e-7, one float32 ulp.
+_EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(7))
+
+
+def _exp2(x):
+    """2**x for x <= 0 as vector arithmetic (LLVM would call libm once per lane): 2**round(x)
+    from the exponent bits times a polynomial in the remainder; 0 below 2**-126."""
+    x = T.max(x, T.float32(-127))
+    n = T.floor(x + T.float32(0.5))
+    f = x - n
+    poly = T.float32(_EXP2_TAYLOR[-1])
+    for c in reversed(_EXP2_TAYLOR[:-1]):
+        poly = poly * f + T.float32(c)
+    power = T.reinterpret("float32", T.shift_left(T.cast(n, "int32") + 127, 23))
+    return poly * power
+
+
+def _row_macros(d: int, dtype: str):
+    """The steps of one (query row, head) online softmax over the ``state`` buffers that the
+    kernel allocates (``_state``): the scaled query, the running output, a chunk's scores,
+    16 lanes of scratch for dot products and reductions, and the running max and sum.
+
+    ``start`` loads the query; ``chunk`` folds in ``n`` <= 16 keys whose K rows start at
+    ``k_base`` and V rows at ``v_base`` of the flat buffers, ``stride`` elements apart;
+    ``finish`` writes the row's output and base-2 log-sum-exp. Sums and maxima over 16 lanes
+    are trees of vector operations, not chains of 16 scalar ones."""
+    vecs = d // LANES
+
+    @T.macro
+    def tree(acc, op):
+        for lane in T.vectorized(8):
+            acc[lane] = op(acc[lane], acc[lane + 8])
+        for lane in T.vectorized(4):
+            acc[lane] = op(acc[lane], acc[lane + 4])
+        for lane in T.vectorized(2):
+            acc[lane] = op(acc[lane], acc[lane + 2])
+        acc[0] = op(acc[0], acc[1])
+
+    @T.macro
+    def start(q, row, h, scale, state):
+        q_loc, o_loc, s_loc, acc, st = state
+        for c in range(vecs):
+            for lane in T.vectorized(LANES):
+                q_loc[c * LANES + lane] = T.cast(q[row, h, c * LANES + lane], "float32") * scale
+                o_loc[c * LANES + lane] = T.float32(0)
+        st[0] = T.float32(_EMPTY)
+        st[1] = T.float32(0)
+
+    @T.macro
+    def chunk(kf, vf, k_base, v_base, stride, n, state):
+        q_loc, o_loc, s_loc, acc, st = state
+        for lane in T.vectorized(PAGE):
+            s_loc[lane] = T.float32(_MASKED)
+        for r in range(n):
+            for lane in T.vectorized(LANES):
+                acc[lane] = T.float32(0)
+            for c in range(vecs):
+                for lane in T.vectorized(LANES):
+                    acc[lane] = acc[lane] + q_loc[c * LANES + lane] * T.cast(
+                        kf[k_base + r * stride + c * LANES + lane], "float32"
+                    )
+            tree(acc, tirx.Add)
+            s_loc[r] = acc[0]
+        for lane in T.vectorized(PAGE):
+            acc[lane] = s_loc[lane]
+        tree(acc, T.max)
+        st[2] = T.max(st[0], acc[0])  # the new running max
+        st[3] = _exp2(st[0] - st[2])  # rescales what was summed so far
+        st[0] = st[2]
+        for lane in T.vectorized(PAGE):
+            s_loc[lane] = _exp2(s_loc[lane] - st[0])
+            acc[lane] = s_loc[lane]
+        tree(acc, tirx.Add)
+        st[1] = st[1] * st[3] + acc[0]
+        for c in range(vecs):
+            for lane in T.vectorized(LANES):
+                o_loc[c * LANES + lane] = o_loc[c * LANES + lane] * st[3]
+        for r in range(n):
+            for c in range(vecs):
+                for lane in T.vectorized(LANES):
+                    o_loc[c * LANES + lane] = o_loc[c * LANES + lane] + s_loc[r] * T.cast(
+                        vf[v_base + r * stride + c * LANES + lane], "float32"
+                    )
+
+    @T.macro
+    def finish(output, lse, row, h, state):
+        q_loc, o_loc, s_loc, acc, st = state
+        if st[1] > T.float32(0):
+            st[2] = T.float32(1) / st[1]
+            for c in range(vecs):
+                for lane in T.vectorized(LANES):
+                    output[row, h, c * LANES + lane] = T.cast(
+                        o_loc[c * LANES + lane] * st[2], dtype
+                    )
+            lse[row, h] = st[0] + T.log2(st[1])
+        else:
+            for c in range(vecs):
+                for lane in T.vectorized(LANES):
+                    output[row, h, c * LANES + lane] = T.cast(T.float32(0), dtype)
+            lse[row, h] = T.float32(_EMPTY)
+
+    return start, chunk, finish
+
+
+def _state(d: int):
+    """The per-row buffers of ``_row_macros``, allocated in the calling block (on the stack)."""
+    return (
+        T.sblock_alloc_buffer((d,), "float32", scope="local"),
+        T.sblock_alloc_buffer((d,), "float32", scope="local"),
+        T.sblock_alloc_buffer((PAGE,), "float32", scope="local"),
+        T.sblock_alloc_buffer((LANES,), "float32", scope="local"),
+        T.sblock_alloc_buffer((4,), "float32", scope="local"),
+    )
+
+
+def _tiles(rows):
+    """Blocks of ``ROWS_PER_TASK`` query rows. Tasks go head by head, so that each thread's
+    contiguous share of them holds whole heads, and as much causal work as the others."""
+    return (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+
+
+def _kv_limit(causal, kv_len, qo_len, local_row):
+    """Keys a query row sees: all ``kv_len``, or with ``causal`` those up to its own position
+    (the new rows are the last ``qo_len`` of the ``kv_len``), as TVM's ``_causal_mask``."""
+    seen = T.if_then_else(causal > 0, T.min(kv_len, kv_len - qo_len + local_row + 1), kv_len)
+    return T.max(seen, 0)
+
+
+def _paged_kv_len(page_indptr, length_info, seq):
+    """Tokens in a sequence's pages: all but the last page are full."""
+    num_pages = page_indptr[seq + 1] - page_indptr[seq]
+    return T.if_then_else(num_pages > 0, (num_pages - 1) * PAGE + length_info[seq], 0)
+
+
+def _paged_row(h_kv: int, h_q: int, d: int, dtype: str):
+    """A macro: one (query row, head) over the first ``limit`` keys in sequence ``seq``'s
+    pages. ``io`` holds the kernel's buffers, the page pool as one ``flat`` buffer."""
+    start, chunk, finish = _row_macros(d, dtype)
+    group, v_offset = h_q // h_kv, h_kv * PAGE * d  # a page holds all heads' K, then their V
+
+    @T.macro
+    def attend(io, row, h, seq, limit, scale, state):
+        q, flat, page_indptr, page_values, output, lse = io
+        start(q, row, h, scale, state)
+        for p in range((limit + PAGE - 1) // PAGE):
+            base = (page_values[page_indptr[seq] + p] * 2 * h_kv + h // group) * PAGE * d
+            chunk(flat, flat, base, base + v_offset, d, T.min(PAGE, limit - p * PAGE), state)
+        finish(output, lse, row, h, state)
+
+    return attend
+
+
+@T.macro
+def _locate(q_indptr, batch, row, seq):
+    """``seq[0]`` = the sequence that query ``row`` belongs to."""
+    seq[0] = 0
+    for s in range(batch):
+        if q_indptr[s + 1] <= row:
+            seq[0] = s + 1
+
+
+def attention_decode(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
+    """One new token per sequence against its pages (it was appended before attention)."""
+    attend = _paged_row(h_kv, h_q, d, dtype)
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv_cpu(
+        var_q: T.handle,  # [batch, h_q, d]
+        var_pages: T.handle,  # [max_num_pages, 2, h_kv, PAGE, d]
+        var_page_indptr: T.handle,  # [batch + 1]
+        var_page_values: T.handle,  # [nnz_pages]
+        var_length_info: T.handle,  # [batch]: tokens in each sequence's last page
+        var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle,
+        var_output: T.handle,  # [batch, h_q, d]
+        var_lse: T.handle,  # [batch, h_q]
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32()
+        offsets = [T.int32() for _ in range(5)]
+        q = T.match_buffer(var_q, (batch, h_q, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE, d), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32", elem_offset=offsets[0])
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=offsets[1])
+        length_info = T.match_buffer(var_length_info, (batch,), "int32", elem_offset=offsets[2])
+        T.match_buffer(var_k_rope_pos_offset, (batch,), "int32", elem_offset=offsets[3])
+        T.match_buffer(var_q_rope_position, (batch,), "int32", elem_offset=offsets[4])
+        output = T.match_buffer(var_output, (batch, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (batch, h_q), "float32")
+        flat = T.decl_buffer((max_num_pages * 2 * h_kv * PAGE * d,), dtype, data=pages.data)
+        io = (q, flat, page_indptr, page_values, output, lse)
+        assert rotary_mode == 0, "the CPU attention kernels support RoPE before the cache only"
+        for task in T.parallel(batch * h_q):
+            with T.sblock("attn"):
+                T.reads()  # opaque: the regions depend on lengths read inside
+                T.writes()
+                state = _state(d)
+                b: T.let[T.int32] = task // h_q
+                h: T.let[T.int32] = task % h_q
+                limit: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
+                scale = sm_scale * _LOG2E
+                attend(io, b, h, b, limit, scale, state)
+
+    return batch_decode_paged_kv_cpu
+
+
+def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
+    """New tokens of each sequence against the prefix in its pages (appended after)."""
+    attend = _paged_row(h_kv, h_q, d, dtype)
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_paged_kv_cpu(
+        var_q: T.handle,  # [total_len, h_q, d]
+        var_q_indptr: T.handle,  # [batch + 1]
+        var_pages: T.handle,  # [max_num_pages, 2, h_kv, PAGE, d]
+        var_page_indptr: T.handle,  # [batch + 1]
+        var_page_values: T.handle,  # [nnz_pages]
+        var_length_info: T.handle,  # [batch]: tokens in each sequence's last page
+        var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle,
+        var_output: T.handle,  # [total_len, h_q, d]
+        var_lse: T.handle,  # [total_len, h_q]
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch, total_len, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32(), T.int32()
+        offsets = [T.int32() for _ in range(6)]
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32", elem_offset=offsets[0])
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE, d), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32", elem_offset=offsets[1])
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=offsets[2])
+        length_info = T.match_buffer(var_length_info, (batch,), "int32", elem_offset=offsets[3])
+        T.match_buffer(var_k_rope_pos_offset, (batch,), "int32", elem_offset=offsets[4])
+        T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=offsets[5])
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        flat = T.decl_buffer((max_num_pages * 2 * h_kv * PAGE * d,), dtype, data=pages.data)
+        io = (q, flat, page_indptr, page_values, output, lse)
+        assert rotary_mode == 0, "the CPU attention kernels support RoPE before the cache only"
+        for task in T.parallel(h_q * _tiles(total_len)):
+            with T.sblock("attn"):
+                T.reads()  # opaque: the regions depend on lengths read inside
+                T.writes()
+                state = _state(d)
+                seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                h: T.let[T.int32] = task // _tiles(total_len)
+                row0: T.let[T.int32] = task % _tiles(total_len) * ROWS_PER_TASK
+                for row in range(row0, T.min(row0 + ROWS_PER_TASK, total_len)):
+                    _locate(q_indptr, batch, row, seq)
+                    b: T.let[T.int32] = seq[0]
+                    qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    kv_len: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
+                    limit = _kv_limit(causal, kv_len, qo_len, row - q_indptr[b])
+                    scale = sm_scale * _LOG2E
+                    attend(io, row, h, b, limit, scale, state)
+
+    return batch_prefill_paged_kv_cpu
+
+
+def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
+    """New tokens of each sequence against the new tokens' own keys and values."""
+    start, chunk, finish = _row_macros(d, dtype)
+    group = h_q // h_kv
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv_cpu(
+        var_q: T.handle,  # [qo_len, h_q, d]
+        var_q_indptr: T.handle,  # [batch + 1]
+        var_k: T.handle,  # [kv_len, h_kv, d]
+        var_v: T.handle,  # [kv_len, h_kv, d]
+        var_kv_indptr: T.handle,  # [batch + 1]
+        var_q_rope_position: T.handle,
+        var_k_rope_pos_offset: T.handle,
+        var_output: T.handle,  # [qo_len, h_q, d]
+        var_lse: T.handle,  # [qo_len, h_q]
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch, qo_len, kv_len = T.int32(), T.int32(), T.int32()
+        offsets = [T.int32() for _ in range(4)]
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32", elem_offset=offsets[0])
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch + 1,), "int32", elem_offset=offsets[1])
+        T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=offsets[2])
+        T.match_buffer(var_k_rope_pos_offset, (batch,), "int32", elem_offset=offsets[3])
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        k_flat = T.decl_buffer((kv_len * h_kv * d,), dtype, data=k.data)
+        v_flat = T.decl_buffer((kv_len * h_kv * d,), dtype, data=v.data)
+        assert rotary_mode == 0, "the CPU attention kernels support RoPE before the cache only"
+        for task in T.parallel(h_q * _tiles(qo_len)):
+            with T.sblock("attn"):
+                T.reads()  # opaque: the regions depend on lengths read inside
+                T.writes()
+                state = _state(d)
+                seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                h: T.let[T.int32] = task // _tiles(qo_len)
+                row0: T.let[T.int32] = task % _tiles(qo_len) * ROWS_PER_TASK
+                for row in range(row0, T.min(row0 + ROWS_PER_TASK, qo_len)):
+                    _locate(q_indptr, batch, row, seq)
+                    b: T.let[T.int32] = seq[0]
+                    first: T.let[T.int32] = kv_indptr[b]
+                    qo_b: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    limit = _kv_limit(causal, kv_indptr[b + 1] - first, qo_b, row - q_indptr[b])
+                    start(q, row, h, sm_scale * _LOG2E, state)
+                    for p in range((limit + PAGE - 1) // PAGE):
+                        base = ((first + p * PAGE) * h_kv + h // group) * d
+                        n = T.min(PAGE, limit - p * PAGE)
+                        chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+                    finish(output, lse, row, h, state)
+
+    return batch_prefill_ragged_kv_cpu
+
+
+# The KV cache's llvm kernels, by their names in an exported module -> (kernel factory, index
+# of the parameter holding the KV heads, and its axis of them).
+KERNELS = {
+    "batch_decode_paged_kv_cpu": (attention_decode, 1, 2),
+    "batch_prefill_paged_kv_cpu": (attention_prefill_paged, 2, 2),
+    "batch_prefill_ragged_kv": (attention_prefill_ragged, 2, 1),
+}
+
+
+@tvm.transform.module_pass(opt_level=0, name="UseCPUAttentionKernels")
+class UseCPUAttentionKernels:
+    """Replace TVM's scalar CPU attention kernels in a module by this file's, sized from the
+    buffers of the kernels they replace (query heads and head size from the query, KV heads
+    from the pages or keys); for head sizes that are multiples of ``LANES``."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gv, func in list(mod.functions_items()):
+            if gv.name_hint not in KERNELS or not isinstance(func, tirx.PrimFunc):
+                continue
+            make, kv_param, kv_axis = KERNELS[gv.name_hint]
+            q = func.params[0].ty  # a buffer type: shape and dtype
+            if int(q.shape[2]) % LANES:
+                continue  # an unusual head size keeps TVM's kernel
+            h_kv = int(func.params[kv_param].ty.shape[kv_axis])
+            mod[gv] = make(h_kv, int(q.shape[1]), int(q.shape[2]), str(q.dtype))
+        return mod

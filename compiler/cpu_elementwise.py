@@ -5,16 +5,18 @@ Left unscheduled they run as one serial scalar loop nest (~6% of a prefill)."""
 from __future__ import annotations
 
 from tvm import s_tir, tirx
+from tvm.relax.analysis import has_reshape_pattern
 from tvm.target import Target
 
-from .cpu_rule import CPURule, find_block
+from .cpu_rule import CPURule, find_block, serial_when_small
 
 _LANES = 16
 
 
 class CPUElementwise(CPURule):
     """Inline every producer into the last block, then run that block with its innermost
-    axis vectorised (when its extent allows) and all the rest fused into one parallel loop."""
+    axis vectorised (when its extent allows) and all the rest fused into one parallel loop,
+    serial for small outputs (``serial_when_small``)."""
 
     def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
         root = find_block(sch, "root")  # none in an extern kernel (argsort, cumsum)
@@ -35,7 +37,9 @@ class CPUElementwise(CPURule):
             sch.vectorize(lanes)
             loops = [*loops[:-1], outer]
         sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
-        return sch
+        # A reshape must keep the one-loop-nest form in which RewriteDataflowReshape finds it
+        # and turns it into a view; any other kernel gets a serial copy for small outputs.
+        return sch if has_reshape_pattern(func) else serial_when_small(sch)
 
 
 def _is_spatial(sch: s_tir.Schedule, block) -> bool:

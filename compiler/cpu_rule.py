@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
@@ -29,3 +30,43 @@ def find_block(sch: s_tir.Schedule, name: str):
         return sch.get_sblock(name)
     except Exception:  # noqa: BLE001 - TVM raises its own error types for a missing block
         return None
+
+
+# Output elements below which a kernel runs on the calling thread: a thread-pool launch and
+# barrier costs microseconds (a scheduler time slice when the machine is busy), the work less.
+SERIAL_BELOW_ELEMENTS = 8192
+
+
+def serial_when_small(sch: s_tir.Schedule) -> s_tir.Schedule:
+    """Give a kernel whose body is one parallel loop a serial copy of it, taken at run time
+    when the output is smaller than ``SERIAL_BELOW_ELEMENTS``: a decode step's norms and
+    activations (one row) then skip the thread pool, while prefill keeps its threads."""
+    func = sch.mod["main"]
+    root = func.body.block
+    loop = root.body
+    shape = getattr(func.params[-1].ty, "shape", None)  # the output, destination-passing style
+    if not isinstance(loop, tirx.For) or loop.kind != tirx.ForKind.PARALLEL or shape is None:
+        return sch
+    elements = 1
+    for extent in shape:
+        elements = elements * extent
+    serial = tirx.For(
+        loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, loop.body,
+        loop.thread_binding, loop.annotations, loop.step,
+    )  # fmt: skip
+    body = tirx.IfThenElse(elements < SERIAL_BELOW_ELEMENTS, serial, loop)
+    block = s_tir.SBlock([], [], [], "root", body, alloc_buffers=root.alloc_buffers)
+    merged = func.with_body(s_tir.SBlockRealize([], True, block))
+    # Both branches hold the same loop and block variables.
+    return s_tir.Schedule(s_tir.transform.ConvertSSA()(tvm.IRModule({"main": merged})))
+
+
+class SerialWhenSmall(CPURule):
+    """``rule``'s schedule, with ``serial_when_small``."""
+
+    def __init__(self, rule):
+        self.rule = rule
+
+    def schedule(self, sch: s_tir.Schedule, func: tirx.PrimFunc, target: Target):
+        scheduled = self.rule.apply(func, target, False)
+        return serial_when_small(scheduled) if isinstance(scheduled, s_tir.Schedule) else None

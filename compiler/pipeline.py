@@ -8,9 +8,11 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
-from .cpu_attention import CPUAttention
+from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
+from .cpu_rope import UseCPURopeKernel
+from .cpu_rule import SerialWhenSmall
 from .gpu_tensorize import SkipTensorize
 from .noalias import MarkShapeFuncNoAlias
 
@@ -35,7 +37,12 @@ class _Guarded(ScheduleRule):
 
 def _schedule_rules(target: Target) -> list[ScheduleRule]:
     if target.kind.name == "llvm":
-        rules = [CPUMatmul(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise(), CPUAttention()]
+        rules = [
+            CPUMatmul(),
+            dl.cpu.GEMV(),
+            SerialWhenSmall(dl.cpu.Reduction()),  # RMS norms: one row per decode step
+            CPUElementwise(),
+        ]
     else:
         rules = [
             dl.gpu.Matmul(),
@@ -48,12 +55,19 @@ def _schedule_rules(target: Target) -> list[ScheduleRule]:
     return [_Guarded(rule) for rule in rules]
 
 
-def relax_pipeline(target: Target, dtype: str) -> tvm.transform.Pass:
+def relax_pipeline(
+    target: Target, dtype: str, rope: tuple[float, dict | None] | None = None
+) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
-    ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels."""
+    ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
+    the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``) and, given the
+    model's ``rope`` (theta, scaling), a RoPE kernel that computes each angle once
+    (``cpu_rope``)."""
     is_gpu = target.kind.name != "llvm"
+    cpu_kernels = [UseCPUAttentionKernels(), *([UseCPURopeKernel(*rope)] if rope else [])]
     passes = [
+        *([] if is_gpu else cpu_kernels),
         rx.transform.FuseTransposeMatmul(),
         rx.backend.DispatchSortScan(),
         rx.transform.LegalizeOps(),

@@ -105,7 +105,10 @@ class Model:
         self.vm = VirtualMachine(
             tvm.runtime.load_module(str(self.path / LIBRARY_FILE)), self.device
         )
-        self.params = _load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
+        # Converted to a TVM array once: a Python list would be converted on every call.
+        self.params = tvm_ffi.convert(
+            _load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
+        )
         self._fn = {name: self.vm[name] for name in self.config["functions"]}
         self.sampler = Sampler(self._fn, self.device)
 
