@@ -19,15 +19,22 @@ from tiny_models import (
 
 from mlc_spec.compiler.compile import compile_model
 
+# Markers of the tests that run only where asked, each by its environment variable.
+ASKED_FOR = {
+    "qwen": ("MLC_SPEC_RUN_QWEN", "needs the Qwen pair"),
+    "heavy": ("MLC_SPEC_RUN_HEAVY", "minutes of compiling"),
+}
+
 
 def pytest_collection_modifyitems(config, items):
-    """The Qwen pair (1.5 GB) runs only where asked."""
-    if os.environ.get("MLC_SPEC_RUN_QWEN") == "1":
-        return
-    skip = pytest.mark.skip(reason="needs the Qwen pair; set MLC_SPEC_RUN_QWEN=1")
-    for item in items:
-        if item.get_closest_marker("qwen"):
-            item.add_marker(skip)
+    """The Qwen pair (1.5 GB) and the heaviest compiles run only where asked."""
+    for marker, (variable, why) in ASKED_FOR.items():
+        if os.environ.get(variable) == "1":
+            continue
+        skip = pytest.mark.skip(reason=f"{why}; set {variable}=1")
+        for item in items:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 class TinyModel:

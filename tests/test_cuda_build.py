@@ -135,7 +135,7 @@ def test_tiny_model_cross_compiles_with_flashinfer_attention(tiny_flashinfer):
     assert "libcudart.so" in _run("readelf", "-d", library)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~5 min; the tiny models cover TIR attention, SmolLM2 covers FlashInfer
 def test_smollm2_cross_compiles_with_tir_attention(smollm2_gguf, tmp_path):
     out = compile_model(
         smollm2_gguf, "cuda", tmp_path / "cuda", show_progress=False, attention="tir"
