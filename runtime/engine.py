@@ -372,12 +372,10 @@ class Engine:
         most = 0
         for work in works:
             if isinstance(work, PrefillWork):
-                chunks = work.restored + work.fresh
-                most += self.scheduler.step_pages(
-                    [s for s, _ in chunks], [len(t) for _, t in chunks]
-                )
+                new = [len(t) for _, t in work.restored + work.fresh]
             else:
-                most += self.scheduler.step_pages(work.seqs, [k + 1 for k in work.num_draft])
+                new = [k + 1 for k in work.num_draft]
+            most += self.scheduler.step_pages(work.seqs, new)
         return most
 
     def _collect(self) -> list[Emitted]:

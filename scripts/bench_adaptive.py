@@ -36,6 +36,7 @@ from workloads import (  # noqa: E402
     Run,
     closed_loop,
     load_models,
+    median_round,
     mixed_prompts,
     room_for_all,
     shared_engine,
@@ -323,9 +324,8 @@ def main() -> None:
                     f"{1e3 * percentile(run.tpot, 50):.0f} ms",
                     file=sys.stderr,
                 )
-        for cfg in cfgs:  # the run with the median throughput stands for the cell
-            ranked = sorted(runs[cfg.name], key=lambda r: r.tokens_per_s)
-            results[cfg.name, c] = ranked[len(ranked) // 2]
+        for cfg in cfgs:
+            results[cfg.name, c] = median_round(runs[cfg.name], lambda r: r.tokens_per_s)
     lossless = sorted(
         {
             cfg.name

@@ -31,6 +31,7 @@ from workloads import (  # noqa: E402
     Run,
     closed_loop,
     load_models,
+    median_round,
     mixed_prompts,
     room_for_all,
     shared_engine,
@@ -94,11 +95,6 @@ def measure(
     )
 
 
-def median_run(rounds: list[Measured]) -> Measured:
-    """The round with the median throughput stands for the cell."""
-    return sorted(rounds, key=lambda m: m.run.tokens_per_s)[len(rounds) // 2]
-
-
 def run_setting(setting: Setting, args: argparse.Namespace) -> list[str]:
     """The setting's table rows, one per concurrency."""
     models = load_models(setting.model)
@@ -125,7 +121,7 @@ def run_setting(setting: Setting, args: argparse.Namespace) -> list[str]:
                     f"critical path {m.critical_host_ms:.1f} of {m.step_ms:.1f} ms/step",
                     file=sys.stderr,
                 )
-        sync, asy = (median_run(rounds[on]) for on in (False, True))
+        sync, asy = (median_round(rounds[on], lambda m: m.run.tokens_per_s) for on in (False, True))
         same = sync.run.outputs == asy.run.outputs
         same_acceptance = (
             sync.run.stats.accepted_per_position == asy.run.stats.accepted_per_position

@@ -11,8 +11,9 @@ import importlib.resources
 import itertools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prepare_qwen_pair import prepare_pair
 
@@ -25,6 +26,7 @@ from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer
 from mlc_spec.runtime.tokenizer import Tokenizer
 
 SMOLLM2 = "smollm2-135m-instruct"
+Round = TypeVar("Round")
 
 # Bytes of the 125 MB ShareGPT file read at a time: conversations are decoded one by one from the
 # start, so a few prompts need no more than the first chunk or two.
@@ -180,3 +182,8 @@ def closed_loop(
                     send()
     run.seconds = time.perf_counter() - start
     return run
+
+
+def median_round(rounds: list[Round], tokens_per_s: Callable[[Round], float]) -> Round:
+    """The round with the median throughput, which stands for its cell over repeated rounds."""
+    return sorted(rounds, key=tokens_per_s)[len(rounds) // 2]
