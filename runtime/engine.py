@@ -501,6 +501,7 @@ class Engine:
                     pinned=None if self._pinned_k(seq.params) is None else most,
                     acceptance=self.acceptance.estimate(seq.seq_id),
                     catch_up=self.proposer.catch_up(seq) if most else 0,
+                    tokens_left=seq.tokens_left,
                 )
             )
         decision = self.policy.choose(batch, self.costs)

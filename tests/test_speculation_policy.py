@@ -15,6 +15,7 @@ from mlc_spec.runtime.speculation import (
     StepCosts,
     StepShape,
     expected_tokens,
+    warm_up,
 )
 from mlc_spec.runtime.speculation.acceptance import INITIAL_ACCEPTANCE
 from mlc_spec.runtime.speculation.warm_up import COARSE_STRIDE, FINE_SIZES, sizes
@@ -125,8 +126,33 @@ def test_prediction_adds_target_draft_and_rest():
     expected = 0.040 + (0.005 + 0.003 + 0.002 + 2 * 0.0001) + 2 * 0.001
     assert step.predict(shape) == pytest.approx(expected)
     assert step.predict(StepShape.of([0, 0], [2, 1])) == pytest.approx(0.020 + 2 * 0.001)
-    # A long catch-up (a prompt the draft has not read) is charged as a steady one.
+    # A long catch-up (a prompt the draft has not read) enters the shape as a steady one; the
+    # policy adds the rest (test_catch_up_is_paid_once_and_spread_over_the_tokens_left).
     assert StepShape.of([3, 2], [150, 1]).catch_up == 3
+
+
+def test_catch_up_is_paid_once_and_spread_over_the_tokens_left():
+    """Reading a 150-token prompt costs the draft 0.3 s once. A reply with many tokens left
+    spreads it thin and drafts as after a steady catch-up; one with 4 tokens left cannot earn it
+    back and stays on the plain decode path. The predicted step time holds the whole cost."""
+    draft = DraftCosts(
+        model=True,
+        first=CostTable({n: 0.002 * n for n in range(1, 200)}),
+        next=CostTable({n: 0.010 for n in range(1, 20)}),
+    )
+    flat = costs(decode=lambda n: 0.030, verify=lambda n: 0.030, draft=draft)
+    steady = [Candidate(cap=K, pinned=None, acceptance=0.8, catch_up=1)]
+    assert choose(steady, flat) == [2]
+    long_reply = [Candidate(cap=K, pinned=None, acceptance=0.8, catch_up=150, tokens_left=10**6)]
+    decision = GoodputPolicy().choose(long_reply, flat)
+    assert decision.num_draft == [2]
+    assert decision.predicted_seconds == pytest.approx(0.030 + 0.300 + 0.010)
+    assert decision.predicted_seconds > decision.charged_seconds
+    short_reply = [Candidate(cap=3, pinned=None, acceptance=0.8, catch_up=150, tokens_left=4)]
+    assert choose(short_reply, flat) == [0]
+    # A pinned k drafts whatever its catch-up costs.
+    pinned = [Candidate(cap=3, pinned=3, acceptance=0.8, catch_up=150, tokens_left=4)]
+    assert choose(pinned, flat) == [3]
 
 
 def test_cost_table_is_a_measured_step_function():
@@ -180,3 +206,76 @@ def test_acceptance_recovers_when_the_text_changes_character():
     assert est.estimate(1) > low + 0.2
     est.forget(1)
     assert len(est) == 0
+
+
+def test_plain_decode_is_never_predicted_dearer_than_a_verify_of_as_many_tokens():
+    """Load inflated the decode of 2 rows at warm-up: verify passes, which real steps keep
+    measuring, bound it, so the policy does not draft just to avoid an imagined cost."""
+    step = StepCosts(
+        CostTable({1: 0.030, 2: 0.300}), CostTable({2: 0.040, 3: 0.050}), DraftCosts(model=False)
+    )
+    assert step.plain(1) == 0.030
+    assert step.plain(2) == 0.040
+    assert choose(batch([0.3, 0.3]), step) == [0, 0]
+    step.decode = CostTable({1: 0.030, 2: 0.300})
+    step.verify = CostTable({3: 0.050})
+    assert step.plain(2) == 0.050  # unmeasured verify size: the next measured one
+
+
+class _Clock:
+    """Stands in for time.perf_counter: advanced by the fake model's passes."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Logits:
+    def __init__(self, rows: int):
+        self.shape = (rows, 8)
+
+
+class _Cache:
+    page_size = 16
+
+    def available_pages(self) -> int:
+        return 1000
+
+    def add_sequence(self, seq_id: int) -> None: ...
+
+    def remove_sequence(self, seq_id: int) -> None: ...
+
+    def popn(self, seq_id: int, n: int) -> None: ...
+
+
+class _LoadedModel:
+    """Every pass takes 10 ms per row, plus 100 ms while a burst of other load lasts (its
+    first ``burst`` passes)."""
+
+    vocab_size = 100
+
+    def __init__(self, clock: _Clock, burst: int):
+        self.clock, self.burst = clock, burst
+        self.sampler = self
+
+    def prefill_chunked(self, kv, ids, tokens, chunk_size) -> None: ...
+
+    def decode(self, kv, rows, tokens) -> _Logits:
+        self.clock.now += 0.010 * len(rows) + (0.100 if self.burst > 0 else 0.0)
+        self.burst -= 1
+        return _Logits(len(rows))
+
+    def sample_logits(self, logits, params, uniforms) -> None: ...
+
+
+def test_warm_up_keeps_each_size_fastest_sweep(monkeypatch):
+    """A burst of load during the first sweep does not stick in the cost tables."""
+    clock = _Clock()
+    monkeypatch.setattr(warm_up.time, "perf_counter", clock)
+    passes = [[1] * r for r in (1, 2, 3)]
+    model = _LoadedModel(clock, burst=1 + 2)  # the untimed first pass and 2 of the first sweep
+    seconds = warm_up.time_passes(model, _Cache(), "decode", passes, chunk_size=64)
+    assert seconds == pytest.approx([0.010, 0.020, 0.030])
+    assert warm_up.SWEEPS >= 2

@@ -66,8 +66,9 @@ class CostTable:
 
 # Tokens a draft model's first pass reads per sequence in steady state: the pending token, and
 # after a bonus token the last draft as well. More is a one-time catch-up (the prompt, or tokens
-# made while the sequence did not draft) that serves every later step; charging it all to one
-# step would keep a step-by-step policy from ever starting to draft after a long prompt.
+# made while the sequence did not draft) that serves every later step, so the policy spreads its
+# cost (``DraftCosts.catch_up_seconds``) over the tokens the sequence has left; charging it all
+# to one step would keep a step-by-step policy from ever starting to draft after a long prompt.
 STEADY_CATCH_UP = 2
 
 
@@ -111,6 +112,16 @@ class DraftCosts:
     next: CostTable = dataclasses.field(default_factory=CostTable)
     per_sequence: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
 
+    def catch_up_seconds(self, tokens: int) -> float | None:
+        """What a first pass reading ``tokens`` for a sequence costs beyond a steady one's: paid
+        once when the sequence starts drafting after its prompt or a pause."""
+        if not self.model or tokens <= STEADY_CATCH_UP:
+            return 0.0
+        whole, steady = self.first.predict(tokens), self.first.predict(STEADY_CATCH_UP)
+        if whole is None or steady is None:
+            return None
+        return max(0.0, whole - steady)
+
     def predict(self, shape: StepShape) -> float | None:
         if not shape.drafts:
             return 0.0
@@ -142,13 +153,18 @@ class StepCosts:
 
     def predict(self, shape: StepShape) -> float | None:
         drafts = shape.drafts
-        target = (
-            self.verify.predict(shape.rows + drafts) if drafts else self.decode.predict(shape.rows)
-        )
+        target = self.verify.predict(shape.rows + drafts) if drafts else self.plain(shape.rows)
         draft = self.draft.predict(shape)
         if target is None or draft is None:
             return None
         return target + draft + shape.rows * (self.per_row.value or 0.0)
+
+    def plain(self, rows: int) -> float | None:
+        """A plain decode of ``rows``, never dearer than a verify pass of as many tokens (the same
+        matmuls): real steps keep measuring verify passes, so this also corrects a decode cost
+        that load inflated while the policy, believing it, stopped taking the plain path."""
+        decode, verify = self.decode.predict(rows), self.verify.predict(rows)
+        return decode if verify is None or decode is None else min(decode, verify)
 
     def to_dict(self) -> dict:
         return {

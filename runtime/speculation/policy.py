@@ -7,6 +7,11 @@ whose next draft has the highest chance of being emitted, alpha_i^(k_i+1) (E is 
 the policy adds drafts in that order, one at a time, predicts each resulting step, and keeps the
 best; all-zero (the plain decode path) is one of the candidates. Costs are a step function of the
 pass sizes, so every total is evaluated rather than stopping at the first dip.
+
+A draft model must first read what a sequence made while it did not draft (its prompt, at the
+start). That one-time cost serves the rest of the reply, so each token the sequence emits while
+drafting carries its share: the cost over the tokens it has left. A short reply after a long
+prompt then starts drafting only if its acceptance pays for the catch-up too.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import dataclasses
 import heapq
 
 from .costs import StepCosts, StepShape
+
+# Most tokens a catch-up is spread over: a reply seldom runs to a large max_tokens, and a cost
+# spread over tokens that never come would be charged too little.
+HORIZON_TOKENS = 256
 
 
 @dataclasses.dataclass
@@ -25,6 +34,7 @@ class Candidate:
     pinned: int | None  # k fixed by the request (already capped); None: the policy chooses
     acceptance: float  # estimated alpha
     catch_up: int = 1  # tokens the draft model reads before its first draft
+    tokens_left: int = HORIZON_TOKENS  # tokens the request may still emit
 
 
 @dataclasses.dataclass
@@ -32,6 +42,7 @@ class Decision:
     num_draft: list[int]
     predicted_seconds: float | None  # None until the costs of such a step were measured
     expected_tokens: float
+    charged_seconds: float | None = None  # predicted_seconds with catch-ups spread, not whole
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -43,27 +54,46 @@ class GoodputPolicy:
     def choose(self, batch: list[Candidate], costs: StepCosts) -> Decision:
         num_draft = [c.pinned if c.pinned is not None else 0 for c in batch]
         catch_up = [c.catch_up for c in batch]
+        # Per sequence: its catch-up's whole cost, and that cost per token it has left.
+        once = [costs.draft.catch_up_seconds(n) or 0.0 for n in catch_up]
+        share = [once[i] / max(1, min(c.tokens_left, HORIZON_TOKENS)) for i, c in enumerate(batch)]
+        emitted = [expected_tokens(c.acceptance, k) for c, k in zip(batch, num_draft, strict=True)]
+        drafting = [i for i, k in enumerate(num_draft) if k]
         shape = StepShape.of(num_draft, catch_up)
-        pairs = zip(batch, num_draft, strict=True)
-        tokens = sum(expected_tokens(c.acceptance, k) for c, k in pairs)
-        seconds = costs.predict(shape)
-        best = Decision(list(num_draft), seconds, tokens)
+        tokens = sum(emitted)
+        whole = sum(once[i] for i in drafting)  # paid in this step
+        spread = sum(share[i] * emitted[i] for i in drafting)
+        step = costs.predict(shape)
+        best = _decision(num_draft, step, whole, spread, tokens)
         # Next drafts by their chance to be emitted: alpha^(k+1) for the (k+1)-th.
         queue = [(-c.acceptance, i) for i, c in enumerate(batch) if c.pinned is None and c.cap > 0]
-        if seconds is None or not queue:
+        if step is None or not queue:
             return best
         heapq.heapify(queue)
         while queue:
             gain, i = heapq.heappop(queue)
+            if num_draft[i] == 0:  # starts drafting: its catch-up, and its one emitted token
+                whole += once[i]
+                spread += share[i]
             shape.add_draft(num_draft[i], catch_up[i])
             num_draft[i] += 1
             tokens -= gain  # minus the chance the new draft is emitted: -alpha^k for the k-th
+            spread -= gain * share[i]
             if num_draft[i] < batch[i].cap:
                 heapq.heappush(queue, (gain * batch[i].acceptance, i))
-            seconds = costs.predict(shape)
-            if (
-                seconds is not None
-                and tokens * best.predicted_seconds > best.expected_tokens * seconds
-            ):
-                best = Decision(list(num_draft), seconds, tokens)
+            step = costs.predict(shape)
+            if step is None:
+                continue
+            candidate = _decision(num_draft, step, whole, spread, tokens)
+            if tokens * best.charged_seconds > best.expected_tokens * candidate.charged_seconds:
+                best = candidate
         return best
+
+
+def _decision(
+    num_draft: list[int], step: float | None, whole: float, spread: float, tokens: float
+) -> Decision:
+    """A choice with its step time: the catch-ups whole as predicted, spread as charged."""
+    if step is None:
+        return Decision(list(num_draft), None, tokens)
+    return Decision(list(num_draft), step + whole, tokens, step + spread)
