@@ -42,6 +42,7 @@ from workloads import (  # noqa: E402
     shared_engine,
 )
 
+from mlc_spec.runtime.artifact import ACTIVATIONS  # noqa: E402
 from mlc_spec.runtime.engine import Engine  # noqa: E402
 from mlc_spec.runtime.params import EngineConfig, SamplingParams  # noqa: E402
 
@@ -100,7 +101,8 @@ def report(
     else:
         draft_text = f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. "
     lines = [
-        f"## Adaptive speculation under load: {TITLES[args.model]}, mixed code and prose",
+        f"## Adaptive speculation under load: {TITLES[args.model]}, {args.activations} "
+        "activations, mixed code and prose",
         "",
         f"Closed loop: C clients, each sending its next request when the last finished, "
         f"{args.requests_per_client} requests per client; prompts alternate HumanEval (raw) and "
@@ -142,7 +144,8 @@ def report(
         "",
         *cost_table(engines, concurrencies, methods),
         "",
-        f"![throughput and TPOT against concurrency]({plot_name(args.model)})",
+        "![throughput and TPOT against concurrency]"
+        f"({section_name(args.model, args.activations)}.png)",
     ]
     return "\n".join(lines)
 
@@ -273,8 +276,9 @@ def plot(
     fig.savefig(path, dpi=110)
 
 
-def plot_name(model: str) -> str:
-    return f"{SECTIONS[model]}.png"
+def section_name(model: str, activations: str) -> str:
+    """Float activations keep the section names they had before int8 existed."""
+    return SECTIONS[model] + ("" if activations == "float" else f"-{activations}-activations")
 
 
 def main() -> None:
@@ -291,11 +295,17 @@ def main() -> None:
         "--draft-layers", type=int, help="draft: SmolLM2's first N layers (default: all of it)"
     )
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="float",
+        help="the artifacts' quantized layers take float (default) or int8 activations",
+    )
     parser.add_argument("--write", type=Path, help="replace this benchmark's section of this file")
     args = parser.parse_args()
     load = os.getloadavg()[0]  # before we add our own
 
-    models = load_models(args.model, args.draft_layers)
+    models = load_models(args.model, args.draft_layers, args.activations)
     batch = max(args.concurrency)
     prompts = mixed_prompts(models[2], batch * args.requests_per_client)
     cfgs = configs(args.methods, args.fixed_k)
@@ -346,10 +356,9 @@ def main() -> None:
     )
     print(section)
     if args.write:
-        plot(
-            results, cfgs, args.concurrency, args.methods, args.write.parent / plot_name(args.model)
-        )
-        write_section(args.write, SECTIONS[args.model], section)
+        name = section_name(args.model, args.activations)
+        plot(results, cfgs, args.concurrency, args.methods, args.write.parent / f"{name}.png")
+        write_section(args.write, name, section)
 
 
 if __name__ == "__main__":

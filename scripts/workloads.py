@@ -84,18 +84,22 @@ def mixed_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
     return [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
 
 
-def load_models(model: str, draft_layers: int | None = None) -> tuple[Model, Model, Tokenizer]:
-    """Target, draft and tokenizer, compiled once (``mlc_spec.compiler.cache``): the Qwen pair
-    (``qwen-pair``), or SmolLM2 (``smollm2``) drafting for itself or with its first
-    ``draft_layers`` layers."""
+def load_models(
+    model: str, draft_layers: int | None = None, activations: str = "float"
+) -> tuple[Model, Model, Tokenizer]:
+    """Target, draft and tokenizer, compiled once (``mlc_spec.compiler.cache``) with float or
+    int8 activations: the Qwen pair (``qwen-pair``), or SmolLM2 (``smollm2``) drafting for
+    itself or with its first ``draft_layers`` layers."""
     if model == "qwen-pair":
-        draft_dir, target_dir = prepare_pair(show_progress=False)
+        draft_dir, target_dir = prepare_pair(show_progress=False, activations=activations)
     else:
-        target_dir = compiled(SMOLLM2, show_progress=False)
+        target_dir = compiled(SMOLLM2, show_progress=False, activations=activations)
         draft_dir = (
             target_dir
             if draft_layers is None
-            else compiled(SMOLLM2, num_layers=draft_layers, show_progress=False)
+            else compiled(
+                SMOLLM2, num_layers=draft_layers, show_progress=False, activations=activations
+            )
         )
     target = Model(target_dir)
     draft = target if draft_dir == target_dir else Model(draft_dir)
