@@ -1,4 +1,4 @@
-"""Reading params.safetensors with plain reads: every storage dtype round-trips bit for bit,
+"""Reading params.safetensors a tensor at a time: every storage dtype round-trips bit for bit,
 and a file that does not match the config fails with an error naming what is wrong."""
 
 from __future__ import annotations
@@ -45,8 +45,13 @@ def test_every_dtype_round_trips_in_config_order(tmp_path):
     "name, shape, dtype, error",
     [
         ("gone", (2,), "float32", "lacks parameter 'gone'"),
-        ("embed", (5, 7), "float32", r"'embed' is F32\[7, 5\], the config says float32\[5, 7\]"),
-        ("norm", (5,), "float32", r"'norm' is F16\[5\], the config says float32\[5\]"),
+        (
+            "embed",
+            (5, 7),
+            "float32",
+            r"'embed' is float32\[7, 5\], the config says float32\[5",
+        ),
+        ("norm", (5,), "float32", r"'norm' is float16\[5\], the config says float32\[5\]"),
     ],
     ids=["missing", "shape", "dtype"],
 )
@@ -64,8 +69,8 @@ def test_truncated_and_foreign_files_are_rejected(tmp_path):
     path = tmp_path / "params.safetensors"
     save_file(tensors, str(path))
     path.write_bytes(path.read_bytes()[:-8])
-    with pytest.raises(ArtifactError, match="bad data offsets"):
+    with pytest.raises(ArtifactError, match="not a readable safetensors file"):
         load_params(path, _records(tensors), tvm.cpu())
     path.write_bytes(b"\x00" * 16)
-    with pytest.raises(ArtifactError, match="not a safetensors file"):
+    with pytest.raises(ArtifactError, match="not a readable safetensors file"):
         load_params(path, _records(tensors), tvm.cpu())
