@@ -12,6 +12,7 @@ from tiny_models import VOCAB
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.cli import main
 from mlc_spec.errors import UserError
+from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 AUTO = "auto"
@@ -131,6 +132,8 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference):
     assert _ids(outputs) == reference
     spec = llm.metrics()["speculation"]
     assert spec["costs"]["verify_by_tokens"] and spec["costs"]["draft_next_pass_by_rows"]
+    # A prompt's catch-up by the draft was timed at load, not extrapolated from small passes.
+    assert CATCH_UP_STRIDE in spec["costs"]["draft_first_pass_by_tokens"]
     assert spec["measured_seconds"] > 0 and spec["predicted_seconds"] > 0
     step = spec["recent"][-1]
     assert len(step["sequences"]) == len(step["num_draft"]) == len(step["acceptance"])

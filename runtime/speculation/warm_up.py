@@ -21,6 +21,9 @@ CONTEXT_TOKENS = 32
 # batch x (K + 1) tokens) would take minutes at load.
 FINE_SIZES = 32
 COARSE_STRIDE = 8
+# A draft's catch-ups (one sequence reading its prompt) are timed every this many tokens up to a
+# prefill chunk: few passes, and in that range a pass costs close to its token count.
+CATCH_UP_STRIDE = 64
 # Sweeps over the sizes; each size keeps its fastest. Other load only ever adds time, and a burst
 # of it at load time would otherwise stick: an overrated plain decode makes the policy draft
 # where it should not, and a path it does not take is never measured again.
