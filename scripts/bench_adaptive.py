@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from benchdoc import machine_context, usable_cores, write_section
+from benchdoc import machine_context, section_name, usable_cores, write_section
 
 THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
@@ -145,7 +145,7 @@ def report(
         *cost_table(engines, concurrencies, methods),
         "",
         "![throughput and TPOT against concurrency]"
-        f"({section_name(args.model, args.activations)}.png)",
+        f"({section_name(SECTIONS[args.model], args.activations)}.png)",
     ]
     return "\n".join(lines)
 
@@ -276,11 +276,6 @@ def plot(
     fig.savefig(path, dpi=110)
 
 
-def section_name(model: str, activations: str) -> str:
-    """Float activations keep the section names they had before int8 existed."""
-    return SECTIONS[model] + ("" if activations == "float" else f"-{activations}-activations")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SECTIONS), default="smollm2")
@@ -356,7 +351,7 @@ def main() -> None:
     )
     print(section)
     if args.write:
-        name = section_name(args.model, args.activations)
+        name = section_name(SECTIONS[args.model], args.activations)
         plot(results, cfgs, args.concurrency, args.methods, args.write.parent / f"{name}.png")
         write_section(args.write, name, section)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import gguf as gguf_py
 import torch
 import transformers
-from benchdoc import machine_context, usable_cores, write_section
+from benchdoc import machine_context, section_name, usable_cores, write_section
 from llamacpp import BenchFigures, bench, describe_build
 from peak_rss import engine_peak_rss, gib
 from tokenizers import Tokenizer
@@ -431,9 +431,8 @@ def main() -> None:
     section = report(label, args.quantization, args.activations, sides, floor, context)
     print(section)
     if args.write:
-        # Float activations keep the section names they had before int8 existed.
-        suffix = "" if args.activations == "float" else f"-{args.activations}-activations"
-        write_section(args.write, f"bench_cpu-{args.model}-{args.quantization}{suffix}", section)
+        base = f"bench_cpu-{args.model}-{args.quantization}"
+        write_section(args.write, section_name(base, args.activations), section)
 
 
 if __name__ == "__main__":

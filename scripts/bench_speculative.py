@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 import transformers
-from benchdoc import machine_context, usable_cores, write_section
+from benchdoc import machine_context, section_name, usable_cores, write_section
 
 THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
@@ -594,9 +594,7 @@ def main() -> None:
     section = report(runs, costs, memory, pair, settings, context, plot)
     print(section)
     if args.write:
-        # Float activations keep the section names they had before int8 existed.
-        suffix = "" if args.activations == "float" else f"-{args.activations}-activations"
-        write_section(args.write, pair.section + suffix, section)
+        write_section(args.write, section_name(pair.section, args.activations), section)
 
 
 if __name__ == "__main__":

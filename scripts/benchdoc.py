@@ -51,6 +51,12 @@ def machine_context(load: float, software: str, threads: str) -> list[str]:
     return lines
 
 
+def section_name(base: str, activations: str) -> str:
+    """A benchmark's section for artifacts with these activations; float activations keep the
+    names sections had before int8 existed."""
+    return base if activations == "float" else f"{base}-{activations}-activations"
+
+
 def write_section(path: Path, name: str, section: str) -> None:
     """Replace section ``name`` of ``path``, or append it; the rest of the file is kept."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
