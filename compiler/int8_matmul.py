@@ -10,17 +10,23 @@ and instruction against an FMA's one.
 Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
 
 * ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 [M, K/group]
-  and code sums int32 [M, K/group]. For 4-bit weights the codes of every 8 columns are stored
-  even columns first (0, 2, 4, 6, 1, 3, 5, 7), the order of a weight word's nibbles: the low
-  nibbles (even k) and the high nibbles (odd k) of 16 output rows, masked out of one vector of
-  code words, each meet 4 consecutive activation bytes broadcast to every lane.
+  and per group what the matmul needs of the code sum, ready to use (``quantize_func``). For
+  4-bit weights the codes of every 8 columns are stored even columns first (0, 2, 4, 6, 1, 3,
+  5, 7), the order of a weight word's nibbles: the low nibbles (even k) and the high nibbles
+  (odd k) of 16 output rows, masked out of one vector of code words, each meet 4 consecutive
+  activation bytes broadcast to every lane.
 * ``int8_matmul`` over the panels of ``models/quantized.py`` (64 output rows, k-major): per
-  group, acc = sum(code * xq) in int32, exactly; then out += (acc - zero * sum(xq)) * scale *
-  xscale, plus offset * xscale * sum(xq) for asymmetric formats. Each vector of code words is
-  decoded once and applied to every row of an m tile, so a call reads each weight block once
-  per tile. The kernel serves every m, prefill included: one arithmetic for every row, whatever
-  the batch, keeps verified rows bit-identical to decoded ones (greedy speculation stays
-  lossless) and gives prefill the cheaper integer arithmetic too.
+  group, acc = sum((code - zero) * xq) in int32, exactly (the integer dot starts at
+  -zero * sum(xq)); then out = fma(acc, scale * xscale, out), and for asymmetric formats
+  out = fma(offset, xscale * sum(xq), out). Each vector of code words is decoded once and
+  applied to every row of an m tile, so a call reads each weight block once per tile. The
+  kernel serves every m, prefill included: one arithmetic for every row, whatever the batch,
+  keeps verified rows bit-identical to decoded ones (greedy speculation stays lossless) and
+  gives prefill the cheaper integer arithmetic too.
+
+Each extra row of a verify batch costs its integer dots plus this per-group epilogue, so the
+epilogue is kept to one conversion, one multiply and one or two FMAs per vector: the zero
+point rides in the dot's start value and the offset's factor comes precomputed per row.
 
 ``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so codes must stay below 16 on
 that path: 8-bit codes are split into nibbles, whose dot products ``vpmaddwd`` weights by 1 and
@@ -52,6 +58,13 @@ _NIBBLES = 0x0F0F0F0F
 _INT8_MAX = 127.0
 # vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
 _INT16_SUMS = 8
+# Rows from which a kernel pass takes one vector of a panel at a time, over all its groups, the
+# accumulators in registers: the panel is then read in as many strided sweeps, which the
+# arithmetic of 7 or more rows hides. Fewer rows (but more than fit all vectors' accumulators
+# in registers) take all vectors per group, accumulating in the L1 cache, so the panel streams
+# front to back: on Zen 4, one thread, Qwen2.5-1.5B's LM head took ~0.7x the strided sweeps'
+# time for 4 rows, but ~1.1x for 8 (docs/quantization.md).
+_PER_VECTOR_ROWS = 7
 
 
 @dataclass(frozen=True)
@@ -82,12 +95,12 @@ class IntegerDot:
         hi = T.Bind((word >> self._i32_const(4)) & self._i32_const(_NIBBLES))
         return [(lo, 0, 1), (hi, 4, 1)] if bits == 4 else [(lo, 0, 1), (hi, 0, 16)]
 
-    def accumulate(self, parts: list[tuple]):
-        """The exact int32 sum of weight x dot(codes, x) over ``parts`` (codes, x: an int32
-        of 4 int8 activations, broadcast to every lane; weight): a chain of vpdpbusd, or
-        vpmaddubsw pair sums added in int16 (at most 8 of <= 2 * 15 * 127 each) and widened
-        by one vpmaddwd per weight."""
-        acc = self._i32_const(0)
+    def accumulate(self, start, parts: list[tuple]):
+        """``start`` (int32 lanes) plus the exact int32 sum of weight x dot(codes, x) over
+        ``parts`` (codes, x: an int32 of 4 int8 activations, broadcast to every lane; weight):
+        a chain of vpdpbusd, or vpmaddubsw pair sums added in int16 (at most 8 of
+        <= 2 * 15 * 127 each) and widened by one vpmaddwd per weight."""
+        acc = start
         if self.vnni:
             for codes, x, _ in parts:
                 acc = T.call_llvm_pure_intrin(self.i32, self.vnni, acc, *self._bytes(codes, x))
@@ -112,9 +125,18 @@ class IntegerDot:
         w = tirx.Broadcast(tirx.const(weight, "int16"), 2 * self.lanes)
         return T.call_llvm_pure_intrin(self.i32, self.maddwd, pairs, w)
 
+    def fma(self, a, b, c):
+        """a * b + c on float32 lanes, rounded once: always fused, so every kernel branch (and
+        so every row count) rounds alike."""
+        return T.call_llvm_pure_intrin(self.f32, f"llvm.fma.v{self.lanes}f32", a, b, c)
+
     @property
     def i32(self) -> str:
         return f"int32x{self.lanes}"
+
+    @property
+    def f32(self) -> str:
+        return f"float32x{self.lanes}"
 
     def _i32_const(self, value: int):
         return tirx.Broadcast(tirx.const(value, "int32"), self.lanes)
@@ -177,13 +199,13 @@ class Int8Matmul:
         rows = op.reshape(x, (-1, k))
         m, groups = rows.shape[0], k // fmt.group_size
         xq, xs, xsum = op.tensor_ir_op(
-            quantize_func(k, fmt.group_size, interleave=fmt.bits == 4),
+            quantize_func(k, fmt.group_size, interleave=fmt.bits == 4, zero=fmt.zero),
             f"{name}_quantize_x",
             [rows],
             [
                 nn.Tensor.placeholder((m, k), "int8"),
                 nn.Tensor.placeholder((m, groups), "float32"),
-                nn.Tensor.placeholder((m, groups), "int32"),
+                nn.Tensor.placeholder((m, groups), _sums_dtype(fmt.zero)),
             ],
         )
         out = op.tensor_ir_op(
@@ -233,18 +255,28 @@ def _horizontal(combine: Callable, vector, lanes: int):
     return vector
 
 
+def _sums_dtype(zero: int) -> str:
+    """The type of ``quantize_func``'s code sums for a weight format with this ``zero``."""
+    return "int32" if zero else "float32"
+
+
 @cache
-def quantize_func(k: int, group: int, interleave: bool) -> tirx.PrimFunc:
-    """x [M, k] float32 -> (codes int8 [M, k], scales [M, k/group], code sums int32 [M, k/group]):
-    per row and group, scale = amax / 127 and code = nearbyint(x * (127 / amax)), 0 for an
-    all-zero group; ``interleave`` orders each 8 columns even first (module docstring)."""
+def quantize_func(k: int, group: int, interleave: bool, zero: int) -> tirx.PrimFunc:
+    """x [M, k] float32 -> (codes int8 [M, k], scales [M, k/group], sums [M, k/group]): per
+    row and group, scale = amax / 127 and code = nearbyint(x * (127 / amax)), 0 for an
+    all-zero group; ``interleave`` orders each 8 columns even first (module docstring).
+
+    The sums are what the matmul needs of sum(codes) for a weight format whose code ``zero``
+    decodes to 0, ready to use: -zero * sum(codes) (int32), where the integer dot of a group
+    starts so that it comes out as sum((weight code - zero) * code); for asymmetric formats
+    (zero 0), sum(codes) * scale (float32), which each group's offset multiplies."""
     groups = k // group
     with IRBuilder() as ib, _prim_func():
         m = T.int64()
         x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
-        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int32")
+        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(zero))
         with T.sblock("root"), T.serial(0, m) as r, T.serial(0, groups) as g:
             v = T.Bind(x.vload([r, g * group], f"float32x{group}"))
             amax = T.Bind(_horizontal(T.max, T.abs(v), group))
@@ -253,16 +285,14 @@ def quantize_func(k: int, group: int, interleave: bool) -> tirx.PrimFunc:
             order = sorted(range(group), key=lambda j: _slot(j, interleave))
             stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
             T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
-            T.buffer_store(xs, amax / T.float32(_INT8_MAX), [r, g])
-            T.buffer_store(xsum, _horizontal(lambda a, b: a + b, codes, group), [r, g])
+            scale = T.Bind(amax / T.float32(_INT8_MAX))
+            T.buffer_store(xs, scale, [r, g])
+            total = T.Bind(_horizontal(lambda a, b: a + b, codes, group))
+            if zero:
+                T.buffer_store(xsum, total * T.int32(-zero), [r, g])
+            else:
+                T.buffer_store(xsum, T.Cast("float32", total) * scale, [r, g])
     return ib.get()
-
-
-def _vectors_together(dot: IntegerDot, m_tile: int, vectors: int) -> int:
-    """Vectors of a panel processed together by an m tile: as many as their int32 and
-    float32 accumulators (2 per row and vector) leave registers for, at least one."""
-    fit = (dot.registers - 6) // (2 * m_tile)
-    return next((v for v in range(min(fit, vectors), 0, -1) if vectors % v == 0), 1)
 
 
 @cache
@@ -274,14 +304,13 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
     words_per_group = fmt.group_size // per_word
     groups, vectors, panels = k // fmt.group_size, panel // lanes, n // panel
     largest = dot.max_rows
-    zero = 0 if fmt.asymmetric else 1 << (fmt.bits - 1)
-    f32 = f"float32x{lanes}"
+    f32 = dot.f32
 
     with IRBuilder() as ib, _prim_func():
         m = T.int64()
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
-        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int32")
+        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(fmt.zero))
         codes = T.arg("codes", T.buffer((panels, k // per_word, panel), "uint32"))
         scales = T.arg("scales", T.buffer((panels, groups, panel), "float32"))
         offsets = (
@@ -308,58 +337,83 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                     parts.append((part, column + offset, weight))
             return parts
 
-        def rows_at(p, vo, together: int, rows: int, base) -> None:
-            """Rows base .. base + rows - 1 (all valid) times the ``together`` vectors of
-            panel p from vector vo * together on: the code vectors of each group are loaded
-            and decoded once for all the rows."""
-            acc = T.alloc_buffer((rows * together * lanes,), "float32", scope="local")
-            for i in range(rows * together):
-                acc_store(acc, i, tirx.Broadcast(T.float32(0), lanes))
-            with T.serial(0, groups) as g:
-                for v in range(together):
-                    lane0 = (vo * together + v) * lanes
-                    parts = group_parts(p, g, lane0)
-                    scale = T.Bind(scales.vload([p, g, lane0], f32))
-                    offset = None
-                    if offsets is not None:
-                        offset = T.Bind(offsets.vload([p, g, lane0], f32))
-                    for r in range(rows):
-                        row = base + r
-                        ints = dot.accumulate([(c, x_word(row, col), w) for c, col, w in parts])
-                        if zero:
-                            ints = ints - tirx.Broadcast(zero * xsum[row, g], lanes)
-                        term = T.Cast(f32, ints) * tirx.Broadcast(xs[row, g], lanes) * scale
-                        if offset is not None:
-                            sums = T.Cast("float32", xsum[row, g]) * xs[row, g]
-                            term = term + offset * tirx.Broadcast(sums, lanes)
-                        i = r * together + v
-                        acc_store(acc, i, acc_load(acc, i) + term)
+        def group_terms(p, g, v, rows: int, base, acc_load, acc_store) -> None:
+            """Adds group g of vector v of panel p, times rows base .. base + rows - 1 (all
+            valid), to their accumulators: the group's code vectors are loaded and decoded
+            once for all the rows."""
+            lane0 = v * lanes
+            parts = group_parts(p, g, lane0)
+            scale = T.Bind(scales.vload([p, g, lane0], f32))
+            offset = T.Bind(offsets.vload([p, g, lane0], f32)) if offsets is not None else None
             for r in range(rows):
-                for v in range(together):
-                    column = p * panel + (vo * together + v) * lanes
-                    value = acc_load(acc, r * together + v)
-                    T.buffer_store(out, value, [base + r, T.ramp(column, 1, lanes)])
+                row = base + r
+                start = tirx.Broadcast(xsum[row, g] if fmt.zero else T.int32(0), lanes)
+                words = [(c, x_word(row, col), w) for c, col, w in parts]
+                ints = T.Cast(f32, dot.accumulate(start, words))
+                xscale = scale * tirx.Broadcast(xs[row, g], lanes)
+                value = dot.fma(ints, xscale, acc_load(r, v))
+                if offset is not None:
+                    value = dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
+                acc_store(r, v, value)
 
-        def acc_load(acc, i: int):
-            return acc.vload([i * lanes], f32)
+        def in_registers(p, vs: list, rows: int, base) -> None:
+            """Rows base .. base + rows - 1 times the vectors ``vs`` of panel p over all
+            groups, their accumulators in registers."""
+            acc = T.alloc_buffer((rows * len(vs) * lanes,), "float32", scope="local")
+            slot = {v: i for i, v in enumerate(vs)}
 
-        def acc_store(acc, i: int, value) -> None:
-            T.buffer_store(acc, value, [T.ramp(i * lanes, 1, lanes)])
+            def load(r, v):
+                return acc.vload([(r * len(vs) + slot[v]) * lanes], f32)
+
+            def store(r, v, value) -> None:
+                T.buffer_store(acc, value, [T.ramp((r * len(vs) + slot[v]) * lanes, 1, lanes)])
+
+            for r in range(rows):
+                for v in vs:
+                    store(r, v, tirx.Broadcast(T.float32(0), lanes))
+            with T.serial(0, groups) as g:
+                for v in vs:
+                    group_terms(p, g, v, rows, base, load, store)
+            for r in range(rows):
+                for v in vs:
+                    column = T.ramp(p * panel + v * lanes, 1, lanes)
+                    T.buffer_store(out, load(r, v), [base + r, column])
+
+        def in_memory(p, rows: int) -> None:
+            """All vectors of panel p per group, the accumulators in the panel's columns of
+            ``out`` (in the L1 cache): the panel streams front to back."""
+
+            def load(r, v):
+                return out.vload([r, p * panel + v * lanes], f32)
+
+            def store(r, v, value) -> None:
+                T.buffer_store(out, value, [r, T.ramp(p * panel + v * lanes, 1, lanes)])
+
+            for r in range(rows):
+                for v in range(vectors):
+                    store(r, v, tirx.Broadcast(T.float32(0), lanes))
+            with T.serial(0, groups) as g, T.serial(0, vectors) as v:
+                group_terms(p, g, v, rows, 0, load, store)
 
         def exact(rows: int) -> None:
-            """m == rows <= the largest tile: one pass, every weight vector read once."""
-            together = _vectors_together(dot, rows, vectors)
-            with T.parallel(0, panels) as p, T.serial(0, vectors // together) as vo:
-                rows_at(p, vo, together, rows, 0)
+            """m == rows <= the largest tile: every weight vector read once per call."""
+            with T.parallel(0, panels) as p:
+                if 2 * rows * vectors <= dot.registers - 6:  # int32 and float32 per vector
+                    in_registers(p, list(range(vectors)), rows, 0)
+                elif rows < _PER_VECTOR_ROWS:
+                    in_memory(p, rows)
+                else:
+                    with T.serial(0, vectors) as v:
+                        in_registers(p, [v], rows, 0)
 
         def tiled() -> None:
-            """m > the largest tile: full tiles, then the rest as one exact tile, per vector
-            of the panel."""
+            """m > the largest tile: per vector of a panel, full tiles, then the rest as one
+            exact tile."""
             full = (m // largest) * largest
-            with T.parallel(0, panels) as p, T.serial(0, vectors) as vo:
+            with T.parallel(0, panels) as p, T.serial(0, vectors) as v:
                 with T.serial(0, m // largest) as mo:
-                    rows_at(p, vo, 1, largest, mo * largest)
-                chain(m - full, list(range(1, largest)), lambda r: rows_at(p, vo, 1, r, full))
+                    in_registers(p, [v], largest, mo * largest)
+                chain(m - full, list(range(1, largest)), lambda r: in_registers(p, [v], r, full))
 
         def chain(value, cases: list[int], body) -> None:
             """if value == cases[0]: body(cases[0]) elif ...: one branch per case."""

@@ -42,6 +42,11 @@ class GroupFormat(Protocol):
     group_size: int
     asymmetric: bool
 
+    @property
+    def zero(self) -> int:
+        """The code that decodes to zero in a symmetric format (0 for an asymmetric one)."""
+        ...
+
 
 class ActivationMatmul(Protocol):
     """Another kernel for x @ W.T with a quantized W, that quantizes x too (the compiler's

@@ -1,16 +1,18 @@
 """Where a batch-1 step of a compiled model spends its time, by kind of work.
 
-TVM 0.27's VM has no profiler, so every call instruction of ``decode`` / ``prefill`` is timed
-through ``VirtualMachine.set_instrument`` and booked to a category by its symbol: matmuls,
-attention (the KV cache's builtin: RoPE, append, attention kernels), norms, other elementwise
-kernels, VM builtins (allocation, shape checks). The host side of a step (token tensors,
+TVM 0.27's VM has no profiler, so every call instruction of ``prefill``, ``decode`` and
+(``--verify K``) ``evaluate_multi_query`` of K tokens is timed through
+``VirtualMachine.set_instrument`` and booked to a category by its symbol: matmuls (with int8
+activations: their activation quantization apart), the LM head, attention (the KV cache's
+builtin: RoPE, append, attention kernels), norms, other elementwise kernels, VM builtins
+(allocation, shape checks). The host side of a call (token tensors,
 ``begin_forward``/``end_forward``, the VM call itself, greedy sampling) is timed without the
 instrument, and the difference between the un-instrumented call and the sum of its kernels is
 the VM's own dispatch. Each kernel's time includes its thread-pool launch; run with
 ``--threads 1`` beside the default to see which kernels gain nothing from a second thread.
 
     python scripts/profile_step.py [--model smollm2|qwen1.5b | --artifact DIR] [--context 128]
-        [--steps 32] [--repeats 5] [--threads N]
+        [--activations float|int8] [--verify 4 8] [--steps 32] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +34,9 @@ MODELS = {"smollm2": "smollm2-135m-instruct", "qwen1.5b": "qwen2.5-coder-1.5b-in
 CATEGORIES = (
     ("attention", "attention"),
     ("argmax", "sampling"),
+    ("quantize_x", "int8 activations: quantize"),
+    ("lm_head", "LM head"),
     ("matmul", "matmul"),
-    ("lm_head", "matmul"),
     ("rms_norm", "norm"),
     ("take", "embedding"),
     ("vm.builtin", "VM builtins"),
@@ -114,56 +118,82 @@ class Step:
         ids = self._timed("token tensors", lambda: self.model._ids([token], (1, 1)))
         self.run("decode", [ids], 1)
 
+    def verify(self, tokens: list[int]) -> None:
+        """``evaluate_multi_query`` of ``tokens`` and greedy tokens of all their rows (what a
+        speculative step does with k drafts and the bonus row); ``undo`` drops them again."""
+        k = len(tokens)
+        ids = self._timed("token tensors", lambda: self.model._ids(tokens, (1, k)))
+        self.run("evaluate_multi_query", [ids], k)
 
-def profile(step: Step, steps: int, repeats: int) -> dict[str, dict]:
-    """Un-instrumented step times and host parts, then one instrumented pass per function."""
+
+@dataclass
+class Job:
+    """Calls of one compiled function, each timed on its own: ``setup`` (untimed) makes the
+    cache ready, ``undo`` (untimed) follows each call (e.g. drops the verified tokens)."""
+
+    name: str
+    setup: Callable[[], None]
+    calls: list[Callable[[], None]]
+    undo: Callable[[], None] = lambda: None
+
+
+def jobs(step: Step, steps: int, verify: list[int]) -> list[Job]:
+    """Prefill of the prompt; ``steps`` decodes from it; ``steps`` verifies of each K at the
+    prompt's context."""
+    tokens = [int(t) for t in np.arange(100, 100 + steps) % step.model.vocab_size]
+
+    def prefilled() -> None:
+        step.reset()
+        step.prefill()
+
+    found = [
+        Job("prefill", step.reset, [step.prefill], step.reset),
+        Job("decode", prefilled, [lambda t=t: step.decode(t) for t in tokens]),
+    ]
+    for k in verify:
+        drafts = (tokens * (k // len(tokens) + 1))[:k]
+        found.append(
+            Job(
+                f"verify {k} tokens (evaluate_multi_query)",
+                prefilled,
+                [lambda d=drafts: step.verify(d)] * steps,
+                lambda k=k: step.kv.popn(0, k),
+            )
+        )
+    return found
+
+
+def profile(step: Step, todo: list[Job], repeats: int) -> dict[str, dict]:
+    """Per job: un-instrumented call times (median) and host parts (mean per call) over
+    ``repeats`` rounds after a warm-up round, then ``repeats`` instrumented rounds (kernel
+    times, mean per call)."""
     out = {}
-    tokens = np.arange(100, 100 + steps) % step.model.vocab_size
-
-    def prefill_round():
-        step.reset()
-        step.prefill()
-
-    def decode_round():
-        step.reset()
-        step.prefill()
-        for t in tokens:
-            step.decode(int(t))
-
-    for fn, round_, per_round in (("prefill", prefill_round, 1), ("decode", decode_round, steps)):
-        round_()  # warm-up
+    for job in todo:
         walls, host = [], defaultdict(float)
-        for _ in range(repeats):
-            step.reset()
-            if fn == "decode":
-                step.prefill()
-            step.host.clear()
-            start = time.perf_counter()
-            if fn == "decode":
-                for t in tokens:
-                    step.decode(int(t))
-            else:
-                step.prefill()
-            walls.append((time.perf_counter() - start) * 1e3 / per_round)
-            for part, samples in step.host.items():
-                host[part] += sum(samples) / repeats / per_round
+        for round_ in range(repeats + 1):  # round 0 warms up and is dropped
+            job.setup()
+            for call in job.calls:
+                step.host.clear()
+                start = time.perf_counter()
+                call()
+                wall = (time.perf_counter() - start) * 1e3
+                job.undo()
+                if round_:
+                    walls.append(wall)
+                    for part, samples in step.host.items():
+                        host[part] += sum(samples)
         timer = CallTimer()
-        step.reset()
-        if fn == "decode":
-            step.prefill()
-        step.model.vm.set_instrument(timer)
         for _ in range(repeats):
-            if fn == "decode":
-                for t in tokens:
-                    step.decode(int(t))
-                step.kv.popn(0, steps)
-            else:
-                step.reset()
-                step.prefill()
-        step.model.vm.set_instrument(None)
-        n = repeats * per_round
+            job.setup()
+            for call in job.calls:
+                step.model.vm.set_instrument(timer)
+                call()
+                step.model.vm.set_instrument(None)
+                job.undo()
+        n = len(walls)
         kernels = {s: (timer.seconds[s] * 1e3 / n, timer.calls[s] / n) for s in timer.seconds}
-        out[fn] = {"wall": statistics.median(walls), "host": host, "kernels": kernels}
+        host = {part: ms / n for part, ms in host.items()}
+        out[job.name] = {"wall": statistics.median(walls), "host": host, "kernels": kernels}
     return out
 
 
@@ -171,14 +201,14 @@ def report(name: str, result: dict) -> str:
     lines = []
     for fn, r in result.items():
         wall, host, kernels = r["wall"], r["host"], r["kernels"]
-        lines.append(f"\n### {name}: {fn}, {wall:.2f} ms per step (median, no instrument)\n")
+        lines.append(f"\n### {name}: {fn}, {wall:.2f} ms per call (median, no instrument)\n")
         by_cat: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for symbol, (ms, calls) in kernels.items():
             by_cat[category(symbol)][0] += ms
             by_cat[category(symbol)][1] += calls
         builtins = by_cat.pop(VM_BUILTINS)
         by_cat.pop("sampling", None)  # a call of its own, timed on the host side below
-        lines.append("| part | ms/step | % of step | calls/step |")
+        lines.append("| part | ms/call | % of call | calls/call |")
         lines.append("|---|---:|---:|---:|")
         for cat, (ms, calls) in sorted(by_cat.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"| {cat} | {ms:.3f} | {100 * ms / wall:.1f} | {calls:.0f} |")
@@ -192,7 +222,7 @@ def report(name: str, result: dict) -> str:
         rest = wall - sum(host.values()) - sum(ms for ms, _ in by_cat.values()) - vm
         lines.append(f"| host: Python between the parts | {rest:.3f} | {100 * rest / wall:.1f} | |")
         lines.append("\nTop calls:\n")
-        lines.append("| symbol | category | ms/step | calls/step | µs/call |")
+        lines.append("| symbol | category | ms/call | calls/call | µs/call |")
         lines.append("|---|---|---:|---:|---:|")
         for symbol, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]:
             lines.append(
@@ -207,7 +237,11 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--artifact", type=Path, help="default: the cached as-source artifact")
     parser.add_argument("--context", type=int, default=128, help="prompt length (default 128)")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps per round")
+    parser.add_argument("--steps", type=int, default=32, help="decodes (verifies) per round")
+    parser.add_argument(
+        "--verify", type=int, nargs="*", default=[], help="also verify K tokens, for each K given"
+    )
+    parser.add_argument("--activations", choices=("float", "int8"), default="float")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("TVM_NUM_THREADS", 2)))
     args = parser.parse_args()
@@ -218,16 +252,18 @@ def main() -> None:
     if args.artifact is None:
         from mlc_spec.compiler.cache import compiled
 
-        args.artifact = compiled(MODELS[args.model])
+        args.artifact = compiled(MODELS[args.model], activations=args.activations)
     model = Model(args.artifact)
     prompt = np.random.default_rng(0).integers(100, model.vocab_size - 100, args.context)
-    result = profile(Step(model, prompt), args.steps, args.repeats)
+    step = Step(model, prompt)
+    result = profile(step, jobs(step, args.steps, args.verify), args.repeats)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     cpu = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln)
     print(f"- artifact: {args.artifact}")
     print(f"- {cpu}; TVM_NUM_THREADS={args.threads}; load average before: {load}")
     print(
-        f"- prompt {args.context} tokens; decode {args.steps} steps from it; {args.repeats} rounds"
+        f"- prompt {args.context} tokens; {args.steps} decodes from it, and {args.steps} "
+        f"verifies of each K at its context; {args.repeats} rounds after a warm-up"
     )
     print(report(args.artifact.name, result))
 
