@@ -1,20 +1,41 @@
 """Compiled artifacts of the PyPI models, cached beside their downloads.
 
 An artifact's name records what makes it reusable -- this CPU's instruction set, the
-quantization, the activations, the layers kept and the artifact format -- so that a cache moved
-to another machine, or written by an older mlc-spec, is never loaded by mistake; it is compiled
+quantization, the activations, the layers kept, the artifact format and a digest of the code
+that compiles it (the compiler, the model definitions and TVM's version) -- so that a cache moved
+to another machine, or written by other kernels, is never loaded by mistake; it is compiled
 again.
 """
 
 from __future__ import annotations
 
+import hashlib
+from functools import cache
 from pathlib import Path
+
+import tvm
 
 from mlc_spec.runtime.artifact import FORMAT_VERSION
 
 from .compile import compile_model
 from .pypi_models import default_cache_dir, fetch
 from .targets import make_target
+
+_CODE_DIRS = ("compiler", "models")
+
+
+def code_digest(root: Path) -> str:
+    """8 hex digits over TVM's version and every source file of the compiler and the models
+    under ``root`` (the package's root)."""
+    digest = hashlib.sha256(tvm.__version__.encode())
+    for path in sorted(p for d in _CODE_DIRS for p in (root / d).rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+@cache
+def _this_code() -> str:
+    return code_digest(Path(__file__).resolve().parent.parent)
 
 
 def artifacts_dir() -> Path:
@@ -33,7 +54,7 @@ def compiled(
     cpu = make_target("llvm").attrs["mcpu"]
     layers = f"-{num_layers}-layers" if num_layers is not None else ""
     kind = f"{cpu}-{quantization}-{activations}{layers}"
-    artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}"
+    artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}-{_this_code()}"
     if not artifact.exists():
         compile_model(
             fetch(name),

