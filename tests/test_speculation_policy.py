@@ -3,6 +3,7 @@ and the acceptance estimates it reads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mlc_spec.runtime.speculation import (
@@ -17,7 +18,6 @@ from mlc_spec.runtime.speculation import (
     expected_tokens,
     warm_up,
 )
-from mlc_spec.runtime.speculation.acceptance import INITIAL_ACCEPTANCE
 from mlc_spec.runtime.speculation.warm_up import COARSE_STRIDE, FINE_SIZES, sizes
 
 K = 6
@@ -155,6 +155,84 @@ def test_catch_up_is_paid_once_and_spread_over_the_tokens_left():
     assert choose(pinned, flat) == [3]
 
 
+def int8_batch_of_one() -> StepCosts:
+    """Step costs as measured for the Qwen 1.5B/0.5B pair with int8 activations at batch 1
+    (docs/benchmarks.md): verify of 2 tokens 1.22x a decode, a draft pass 0.4-0.5 of one, and a
+    catch-up over a prompt a prefill of the draft's own."""
+    return StepCosts(
+        CostTable({1: 0.076}),
+        CostTable({2: 0.093, 3: 0.103, 4: 0.127, 5: 0.133, 6: 0.138, 7: 0.150}),
+        DraftCosts(
+            model=True,
+            first=CostTable({1: 0.031, 2: 0.032, 64: 0.090, 128: 0.160, 192: 0.230}),
+            next=CostTable({1: 0.035}),
+        ),
+    )
+
+
+def high_load() -> StepCosts:
+    """16 rows: each verified token costs 0.6 of a decode row, so drafting pays only from an
+    acceptance of ~0.9."""
+    return StepCosts(
+        CostTable({16: 0.240}),
+        CostTable({n: 0.240 * (1 + 0.6 * (n - 16) / 16) for n in range(16, 16 * (K + 1) + 1)}),
+        DraftCosts(model=True, first=CostTable({32: 0.070}), next=CostTable({16: 0.090})),
+    )
+
+
+def simulate(step_costs: StepCosts, rows: int, alpha: float, steps: int) -> list[int]:
+    """Drafts per step for ``rows`` long replies whose draft tokens are each accepted with
+    probability ``alpha``, the estimates learning from every step as the engine's do."""
+    est, rng, chosen = AcceptanceEstimator(), np.random.default_rng(0), []
+    for _ in range(steps):
+        cands = [
+            Candidate(cap=K, pinned=None, acceptance=est.estimate(i), catch_up=2)
+            for i in range(rows)
+        ]
+        num_draft = GoodputPolicy().choose(cands, step_costs).num_draft
+        est.fade(list(range(rows)))
+        for i, k in enumerate(num_draft):
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            est.observe(i, k, accepted)
+        chosen.append(sum(num_draft))
+    return chosen
+
+
+def test_scarce_evidence_drafts_to_measure_acceptance():
+    """A new engine's first request after a 150-token prompt: the optimistic estimate drafts, so
+    its acceptance gets measured. A realistic guess of 0.7 would not pay for the catch-up and
+    the step, and without drafts no evidence would ever come."""
+    reply = Candidate(cap=K, pinned=None, acceptance=0.0, catch_up=150, tokens_left=31)
+    reply.acceptance = AcceptanceEstimator().estimate(1)
+    assert choose([reply], int8_batch_of_one())[0] >= 1
+    reply.acceptance = 0.7
+    assert choose([reply], int8_batch_of_one()) == [0]
+
+
+def test_evidence_of_high_acceptance_drafts_the_most():
+    assert simulate(int8_batch_of_one(), rows=1, alpha=1.0, steps=50) == [K] * 50
+
+
+def test_evidence_of_low_acceptance_keeps_exploration_rare():
+    """Acceptance 0.3 at batch 1: the first step tries, the evidence then keeps speculation off;
+    as the counts fade, a draft or two is tried again now and then, in under 4% of steps."""
+    chosen = simulate(int8_batch_of_one(), rows=1, alpha=0.3, steps=3000)
+    assert chosen[0] >= 1
+    assert max(chosen[20:]) <= 2 and sum(map(bool, chosen)) < len(chosen) / 25
+
+
+def test_high_load_explores_once_then_stays_off():
+    """16 sequences accepting 60%: one step of evidence outweighs the optimism for hundreds of
+    steps. Where no acceptance could pay (every verified token as dear as a decode row), not
+    even the optimistic estimate drafts."""
+    chosen = simulate(high_load(), rows=16, alpha=0.6, steps=400)
+    assert chosen[0] >= 16 and not any(chosen[1:])
+    linear = costs(decode=lambda n: 0.01 * n, verify=lambda n: 0.01 * n, sizes=16 * (K + 1))
+    assert not any(simulate(linear, rows=16, alpha=0.6, steps=50))
+
+
 def test_cost_table_is_a_measured_step_function():
     table = CostTable({1: 0.03, 6: 0.05})
     assert table.predict(0) == 0.0
@@ -178,7 +256,7 @@ def test_warm_up_times_every_small_size_and_a_stride_of_the_large():
 
 def test_acceptance_prior_and_own_history():
     est = AcceptanceEstimator()
-    assert est.estimate(1) == pytest.approx(INITIAL_ACCEPTANCE)
+    assert est.estimate(1) == 1.0  # no evidence: optimistic
     for _ in range(20):  # sequence 1 accepts every draft, sequence 2 none
         est.fade([1, 2])
         est.observe(1, 4, 4)
