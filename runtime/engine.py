@@ -59,6 +59,7 @@ from .speculation import (
     DraftCosts,
     GoodputPolicy,
     StepCosts,
+    StepShape,
 )
 from .speculation.warm_up import record, sizes, spread, time_passes
 from .tokenizer import Tokenizer
@@ -492,22 +493,24 @@ class Engine:
             self._preempt(self.scheduler.preempt_newest())
         if not seqs or self.proposer is None:
             return StepPlan(seqs, [0] * len(seqs), [], None)
+        estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
+        if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
+            plain = self.costs.predict(StepShape(len(seqs)))
+            return StepPlan(seqs, [0] * len(seqs), estimates, plain)
         batch = []
-        for seq, cap in zip(seqs, caps, strict=True):
+        for seq, cap, estimate in zip(seqs, caps, estimates, strict=True):
             most = self.proposer.available(seq, cap) if cap else 0
             batch.append(
                 Candidate(
                     cap=most,
                     pinned=None if self._pinned_k(seq.params) is None else most,
-                    acceptance=self.acceptance.estimate(seq.seq_id),
+                    acceptance=estimate,
                     catch_up=self.proposer.catch_up(seq) if most else 0,
                     tokens_left=seq.tokens_left,
                 )
             )
         decision = self.policy.choose(batch, self.costs)
-        return StepPlan(
-            seqs, decision.num_draft, [c.acceptance for c in batch], decision.predicted_seconds
-        )
+        return StepPlan(seqs, decision.num_draft, estimates, decision.predicted_seconds)
 
     def _pinned_k(self, params: SamplingParams) -> int | None:
         """The k a request runs with (its own, else the engine's), capped by the engine's

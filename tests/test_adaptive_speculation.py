@@ -80,9 +80,14 @@ def test_random_k_with_preemption(tiny_llama, tiny_llama_draft):
 
 def test_speculation_off_runs_the_plain_decode_path(tiny_llama, tiny_llama_draft, reference):
     llm = _llm(tiny_llama, "draft", tiny_llama_draft)
-    calls = {"propose": [], "verify": 0}
+    calls = {"propose": [], "verify": 0, "policy": 0}
     propose = llm.engine.proposer.propose
     verify = llm.engine.target.evaluate_multi_query
+    choose = llm.engine.policy.choose
+
+    def counting_choose(*args):
+        calls["policy"] += 1
+        return choose(*args)
 
     def counting_propose(seqs, num_tokens):
         calls["propose"] += [s.request.request_id for s in seqs]
@@ -94,10 +99,11 @@ def test_speculation_off_runs_the_plain_decode_path(tiny_llama, tiny_llama_draft
 
     llm.engine.proposer.propose = counting_propose
     llm.engine.target.evaluate_multi_query = counting_verify
+    llm.engine.policy.choose = counting_choose
     off = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=0)
     outputs = llm.generate(_prompts(), off)
     assert _ids(outputs) == reference
-    assert calls == {"propose": [], "verify": 0}
+    assert calls == {"propose": [], "verify": 0, "policy": 0}  # not even a choice to make
     assert "draft" not in llm.metrics()["seconds"] and "verify" not in llm.metrics()["seconds"]
     assert all(o.outputs[0].spec_stats.steps_by_k == [23] for o in outputs)
 
