@@ -80,6 +80,12 @@ def configs(methods: list[str], fixed_ks: list[int]) -> list[Config]:
     return out
 
 
+def section(args: argparse.Namespace) -> str:
+    """This run's section of docs/benchmarks.md (and its plot's name)."""
+    name = section_name(SECTIONS[args.model], args.activations)
+    return f"{name}-{args.tag}" if args.tag else name
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -106,7 +112,7 @@ def report(
         draft_text = f"Draft: SmolLM2's first {args.draft_layers} of 30 layers. "
     lines = [
         f"## Adaptive speculation under load: {TITLES[args.model]}, {args.activations} "
-        "activations, mixed code and prose",
+        f"activations, mixed code and prose{f' ({args.tag})' if args.tag else ''}",
         "",
         f"Closed loop: C clients, each sending its next request when the last finished, "
         f"{args.requests_per_client} requests per client; prompts alternate HumanEval (raw) and "
@@ -153,8 +159,7 @@ def report(
         "",
         *cost_table(engines, concurrencies, methods),
         "",
-        "![throughput and TPOT against concurrency]"
-        f"({section_name(SECTIONS[args.model], args.activations)}.png)",
+        f"![throughput and TPOT against concurrency]({section(args)}.png)",
     ]
     return "\n".join(lines)
 
@@ -328,6 +333,11 @@ def main() -> None:
         help="the artifacts' quantized layers take float (default) or int8 activations",
     )
     parser.add_argument("--write", type=Path, help="replace this benchmark's section of this file")
+    parser.add_argument(
+        "--tag",
+        help="a section of its own beside the full grid's, e.g. for a few cells re-run with more "
+        "rounds",
+    )
     args = parser.parse_args()
     load = os.getloadavg()[0]  # before we add our own
 
@@ -383,7 +393,7 @@ def main() -> None:
     )
     print(section)
     if args.write:
-        name = section_name(SECTIONS[args.model], args.activations)
+        name = section(args)
         plot(results, cfgs, args.concurrency, args.methods, args.write.parent / f"{name}.png")
         write_section(args.write, name, section)
 
