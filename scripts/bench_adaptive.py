@@ -14,7 +14,8 @@ config must produce the no-speculation tokens; the script checks it.
 
     python scripts/bench_adaptive.py [--model smollm2|qwen-pair] [--concurrency 1 2 4 8 16]
         [--fixed-k 1 2 3 4 5 6] [--max-tokens 32] [--requests-per-client 2] [--draft-layers N]
-        [--methods ngram draft] [--write docs/benchmarks.md]
+        [--methods ngram draft] [--activations float|int8] [--repeats N] [--tag SLUG]
+        [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
