@@ -229,7 +229,8 @@ def verdict(ratio: float, goal: float, noise: float) -> str:
     that much), or not met."""
     if ratio >= goal:
         return "met"
-    within = ratio >= (goal - noise) * (1 - 1e-9)  # a config as fast as the A/A engine is in
+    # A config exactly as fast as the A/A engine is within: 1 - (1 - x) need not be x in floats.
+    within = ratio >= (goal - noise) * (1 - 1e-9)
     return f"within the A/A noise of {noise:.0%}" if within else "**not met**"
 
 
