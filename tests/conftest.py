@@ -179,3 +179,14 @@ def sampling(request):
     if request.param == "oracle":
         return sampling_oracle
     return request.getfixturevalue("compiled_sampling")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_int8(tmp_path_factory) -> Path:
+    """A tiny GGUF of every supported tensor type (two-level Q4_K among them) compiled as
+    shipped with int8 activations."""
+    from tiny_gguf import write_mixed_gguf
+
+    root = tmp_path_factory.mktemp("tiny_gguf_int8")
+    path = write_mixed_gguf(root / "tiny.gguf", "llama")
+    return compile_model(path, "llvm", root / "artifact", show_progress=False, activations="int8")
