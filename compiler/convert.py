@@ -28,7 +28,7 @@ def convert_parameters(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield each parameter of the model, in order: float weights fused and cast to ``dtype``;
-    weights in ``plan`` (by weight name) in panels, as codes/scales/offsets if quantized.
+    weights in ``plan`` (by weight name) in panels, as the format's arrays if quantized.
 
     Raises CompileError naming the first tensor that is missing, has the wrong shape, or is
     left over (weights that do not match the config must never compile into a wrong model).
@@ -57,9 +57,7 @@ def convert_parameters(
                 if plan[weight].fmt is None:
                     current = (weight, {"panels": floats(weight)})
                 else:
-                    qt = _quantized(weight, plan[weight], source, parts)
-                    tensors = {"codes": qt.codes, "scales": qt.scales, "offsets": qt.offsets}
-                    current = (weight, tensors)
+                    current = (weight, _quantized(weight, plan[weight], source, parts).arrays())
             array = to_panels(current[1][suffix])
             what = f"{name} (of {weight})"
         else:

@@ -22,7 +22,8 @@ Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
   applied to every row of an m tile, so a call reads each weight block once per tile. The
   kernel serves every m, prefill included: one arithmetic for every row, whatever the batch,
   keeps verified rows bit-identical to decoded ones (greedy speculation stays lossless) and
-  gives prefill the cheaper integer arithmetic too.
+  gives prefill the cheaper integer arithmetic too. A two-level format's group scale and
+  offset are multiplied from their uint8 integers in the kernel, once per group and vector.
 
 Each extra row of a verify batch costs its integer dots plus this per-group epilogue, so the
 epilogue is kept to one conversion, one multiply and one or two FMAs per vector: the zero
@@ -312,13 +313,33 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
         xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(fmt.zero))
         codes = T.arg("codes", T.buffer((panels, k // per_word, panel), "uint32"))
-        scales = T.arg("scales", T.buffer((panels, groups, panel), "float32"))
+        group_type = "uint8" if fmt.super_group else "float32"
+        scales = T.arg("scales", T.buffer((panels, groups, panel), group_type))
         offsets = (
-            T.arg("offsets", T.buffer((panels, groups, panel), "float32"))
+            T.arg("offsets", T.buffer((panels, groups, panel), group_type))
             if fmt.asymmetric
             else None
         )
+        if fmt.super_group:
+            supers = (panels, k // fmt.super_group, panel)
+            super_scales = T.arg("super_scales", T.buffer(supers, "float32"))
+            super_offsets = T.arg("super_offsets", T.buffer(supers, "float32"))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
+
+        def scale_offset(p, g, lane0) -> tuple:
+            """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``:
+            loaded, or for a two-level format multiplied from its uint8 integers and its
+            super-group's pair (exact products: the same values as the one-level format's)."""
+            if not fmt.super_group:
+                offset = offsets.vload([p, g, lane0], f32) if offsets is not None else None
+                return scales.vload([p, g, lane0], f32), offset
+            s = g // (fmt.super_group // fmt.group_size)
+
+            def times(supers, small):
+                integers = T.Cast(f32, small.vload([p, g, lane0], f"uint8x{lanes}"))
+                return supers.vload([p, s, lane0], f32) * integers
+
+            return times(super_scales, scales), times(super_offsets, offsets)
 
         def x_word(row, column):
             """4 activation codes from ``column`` on, as one int32."""
@@ -343,8 +364,9 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
             once for all the rows."""
             lane0 = v * lanes
             parts = group_parts(p, g, lane0)
-            scale = T.Bind(scales.vload([p, g, lane0], f32))
-            offset = T.Bind(offsets.vload([p, g, lane0], f32)) if offsets is not None else None
+            scale, offset = scale_offset(p, g, lane0)
+            scale = T.Bind(scale)
+            offset = T.Bind(offset) if offset is not None else None
             for r in range(rows):
                 row = base + r
                 start = tirx.Broadcast(xsum[row, g] if fmt.zero else T.int32(0), lanes)

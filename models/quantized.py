@@ -3,7 +3,8 @@ rewrite that installs them.
 
 A quantized weight [N, K] is stored as its integer codes packed into 32-bit words along K,
 one float32 scale per group of ``group_size`` columns and, for asymmetric formats, one float32
-offset per group (``compiler/quantization/formats.py`` defines the format). The layers
+offset per group; or, in a two-level format, both as uint8 under a float32 pair per super-group
+(``compiler/quantization/formats.py`` defines the formats). The layers
 dequantize inside the kernel that uses the weight: the matmul's TE computes the weight from
 its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines that computation into the
 matmul's inner loop, so no float copy of a weight is ever written to memory. A float weight
@@ -22,7 +23,7 @@ from tvm.relax.frontend.nn import op
 
 # A panel weight's parameters: a quantized one's, in the order the layers declare them, or a
 # float one's single tensor.
-PANEL_SUFFIXES = ("codes", "scales", "offsets", "panels")
+PANEL_SUFFIXES = ("codes", "scales", "offsets", "super_scales", "super_offsets", "panels")
 
 # Output rows per panel, the first that divides N (every Llama/Qwen2 shape takes 64).
 PANEL_WIDTHS = (64, 32, 16, 8, 1)
@@ -41,6 +42,7 @@ class GroupFormat(Protocol):
     bits: int
     group_size: int
     asymmetric: bool
+    super_group: int
 
     @property
     def zero(self) -> int:
@@ -60,6 +62,18 @@ def panel_width(rows: int) -> int:
     return next((p for p in PANEL_WIDTHS if rows % p == 0), 1)
 
 
+def _group_scale_offset(fmt: GroupFormat, tensors: list[te.Tensor], p, g, r) -> tuple:
+    """The float32 scale and offset (None if symmetric) of group g at (panel p, row r of it):
+    read, or for a two-level format multiplied from its integers and super-group pair."""
+    scales = tensors[1]
+    if not fmt.super_group:
+        return scales[p, g, r], (tensors[2][p, g, r] if fmt.asymmetric else None)
+    offsets, super_scales, super_offsets = tensors[2:5]
+    s = g // (fmt.super_group // fmt.group_size)
+    scale = super_scales[p, s, r] * scales[p, g, r].astype("float32")
+    return scale, super_offsets[p, s, r] * offsets[p, g, r].astype("float32")
+
+
 def _weight_at(fmt: GroupFormat | None, tensors: list[te.Tensor], row, col):
     """The float32 weight at (row, col) of the logical [N, K] matrix, read from the panel
     layout; quantized ones as ``compiler.quantization.formats.dequantize`` defines it."""
@@ -67,14 +81,14 @@ def _weight_at(fmt: GroupFormat | None, tensors: list[te.Tensor], row, col):
     p, r = row // panel, row % panel
     if fmt is None:
         return tensors[0][p, col, r].astype("float32")
-    codes, scales, offsets = (*tensors, None)[:3]
+    codes = tensors[0]
     per_word = 32 // fmt.bits
     word = codes[p, col // per_word, r]
     shift = ((col % per_word) * fmt.bits).astype("uint32")
     code = ((word >> shift) & tirx.const((1 << fmt.bits) - 1, "uint32")).astype("float32")
-    scale = scales[p, col // fmt.group_size, r]
-    if fmt.asymmetric:
-        return scale * code + offsets[p, col // fmt.group_size, r]
+    scale, offset = _group_scale_offset(fmt, tensors, p, col // fmt.group_size, r)
+    if offset is not None:
+        return scale * code + offset
     return scale * (code - tirx.const(float(1 << (fmt.bits - 1)), "float32"))
 
 
@@ -113,7 +127,9 @@ def quantized_matmul(
 class QuantizedWeight(nn.Module):
     """The parameters of one [N, K] weight stored in panels of P output rows, k-major inside a
     panel: a quantized weight's ``codes`` [N/P, K*bits/32, P], ``scales`` and ``offsets``
-    [N/P, K/group, P], or a float weight's ``panels`` [N/P, K, P] (``fmt`` None). One loaded
+    [N/P, K/group, P] (uint8 in a two-level format, with float32 ``super_scales`` and
+    ``super_offsets`` [N/P, K/super_group, P]), or a float weight's ``panels`` [N/P, K, P]
+    (``fmt`` None). One loaded
     vector then holds the same code word of P consecutive output rows, so the CPU kernel
     vectorises along the output and streams each panel front to back (``to_panels`` makes this
     layout from the row-major one)."""
@@ -121,20 +137,35 @@ class QuantizedWeight(nn.Module):
     def __init__(self, n: int, k: int, fmt: GroupFormat | None):
         self.fmt, self.shape, panel = fmt, (n, k), panel_width(n)
         self.codes = self.scales = self.offsets = self.panels = None
+        self.super_scales = self.super_offsets = None
         if fmt is None:
             self.codes_per_word = 1
             self.panels = nn.Parameter((n // panel, k, panel), "float32")
             return
-        if k % fmt.group_size or k % (32 // fmt.bits):
-            raise ValueError(f"{k} columns are not a multiple of the group size {fmt.group_size}")
+        block = max(fmt.group_size, fmt.super_group)
+        if k % block or k % (32 // fmt.bits):
+            raise ValueError(f"{k} columns are not a multiple of the {fmt.name} block {block}")
         self.codes_per_word = 32 // fmt.bits
         groups = (n // panel, k // fmt.group_size, panel)
+        group_type = "uint8" if fmt.super_group else "float32"
         self.codes = nn.Parameter((n // panel, k // self.codes_per_word, panel), "uint32")
-        self.scales = nn.Parameter(groups, "float32")
-        self.offsets = nn.Parameter(groups, "float32") if fmt.asymmetric else None
+        self.scales = nn.Parameter(groups, group_type)
+        self.offsets = nn.Parameter(groups, group_type) if fmt.asymmetric else None
+        if fmt.super_group:
+            supers = (n // panel, k // fmt.super_group, panel)
+            self.super_scales = nn.Parameter(supers, "float32")
+            self.super_offsets = nn.Parameter(supers, "float32")
 
     def tensors(self) -> list[nn.Tensor]:
-        found = (self.codes, self.scales, self.offsets, self.panels)
+        """The parameters in the order of ``PANEL_SUFFIXES`` (those this format has)."""
+        found = (
+            self.codes,
+            self.scales,
+            self.offsets,
+            self.super_scales,
+            self.super_offsets,
+            self.panels,
+        )
         return [t for t in found if t is not None]
 
     def to(self, dtype: str | None = None) -> None:

@@ -42,12 +42,14 @@ FUNCTIONS = (
     *SAMPLER_FUNCTIONS,
 )
 
-# Storage dtypes of parameters: float weights, and the codes and scales of quantized ones.
+# Storage dtypes of parameters: float weights, and the codes and scales of quantized ones
+# (uint8: a two-level format's group scales and offsets).
 NUMPY_DTYPES = {
     "float32": np.float32,
     "float16": np.float16,
     "bfloat16": ml_dtypes.bfloat16,
     "uint32": np.uint32,
+    "uint8": np.uint8,
 }
 
 
@@ -82,9 +84,11 @@ def missing_cpu_features(required: list[str], cpuinfo: Path = Path("/proc/cpuinf
 @dataclass(frozen=True)
 class ParamRecord:
     """One parameter the compiled functions take, in order: its stored tensor and what it is
-    part of. A float weight is one tensor (``format`` = its dtype); a quantized weight is three,
-    ``<weight>.codes`` / ``.scales`` / ``.offsets``, each with ``format`` = the group format's
-    name (e.g. ``q4g32a``, see ``compiler/quantization``) and ``layout`` = ``panels``."""
+    part of. A float weight is one tensor (``format`` = its dtype); a quantized weight is two to
+    five, ``<weight>.codes`` / ``.scales`` / ``.offsets`` / ``.super_scales`` /
+    ``.super_offsets`` as its format has them, each with ``format`` = the group format's name
+    (e.g. ``q4g32a``, ``q4g32as256``, see ``compiler/quantization``) and ``layout`` =
+    ``panels``."""
 
     name: str
     shape: tuple[int, ...]

@@ -179,3 +179,17 @@ def sampling(request):
     if request.param == "oracle":
         return sampling_oracle
     return request.getfixturevalue("compiled_sampling")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_int8(tmp_path_factory) -> Path:
+    """The artifact of a tiny Llama GGUF of every supported tensor type (a Q4_K embedding
+    table too) compiled as shipped with int8 activations; the file lies beside it, as
+    ``tiny.gguf``."""
+    from gguf import GGMLQuantizationType
+    from tiny_gguf import write_mixed_gguf
+
+    root = tmp_path_factory.mktemp("tiny_gguf_int8")
+    embedding = {"model.embed_tokens.weight": GGMLQuantizationType.Q4_K}
+    path = write_mixed_gguf(root / "tiny.gguf", "llama", embedding)
+    return compile_model(path, "llvm", root / "artifact", show_progress=False, activations="int8")

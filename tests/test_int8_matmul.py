@@ -13,16 +13,24 @@ from tvm.relax.frontend.nn import op
 
 from mlc_spec.compiler.int8_matmul import Int8Matmul, integer_dot, matmul_func
 from mlc_spec.compiler.pipeline import relax_pipeline
-from mlc_spec.compiler.quantization import GroupFormat, QuantizedTensor, pack_codes, unpack_codes
+from mlc_spec.compiler.quantization import (
+    GroupFormat,
+    QuantizedTensor,
+    flatten,
+    pack_codes,
+    unpack_codes,
+)
 from mlc_spec.compiler.targets import make_target, vector_features
 from mlc_spec.models.quantized import QuantizedLinear, to_panels
 
-N, K = 128, 256  # two panels of 64 rows; 8 groups of 32
+N, K = 128, 512  # two panels of 64 rows; 16 groups of 32, 2 super-groups of 256
+TWO_LEVEL = GroupFormat(4, 32, True, 256)
 FORMATS = [
     GroupFormat(4, 32),
     GroupFormat(4, 32, True),
     GroupFormat(8, 32),
     GroupFormat(8, 16, True),
+    TWO_LEVEL,
 ]
 # Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
@@ -41,6 +49,7 @@ def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
 def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
     """x @ W.T with x quantized as the kernel does it: exact integer dots per group, then
     (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
+    w = flatten(w)
     fmt = w.fmt
     q, xs = quantize_rows(x, fmt.group_size)
     n, k = w.shape
@@ -56,6 +65,12 @@ def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
 def _weight(fmt: GroupFormat, rng: np.random.Generator) -> QuantizedTensor:
     groups = (N, K // fmt.group_size)
     codes = rng.integers(0, 1 << fmt.bits, (N, K))
+    if fmt.super_group:  # as Q4_K: 6-bit integers under f16 values
+        shape = (N, K // fmt.super_group)
+        f16 = [rng.uniform(-0.01, 0.01, shape).astype(np.float16) for _ in range(2)]
+        supers = [d.astype(np.float32) for d in f16]
+        small = [rng.integers(0, 64, groups, dtype=np.uint8) for _ in range(2)]
+        return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), *small, *supers)
     scales = rng.uniform(0.01, 0.1, groups).astype(np.float32)
     offsets = rng.normal(0, 0.2, groups).astype(np.float32) if fmt.asymmetric else None
     return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), scales, offsets)
@@ -89,6 +104,9 @@ def test_int8_matmul_matches_numpy(cpu):
         pytest.skip(f"this CPU cannot run {cpu} code")
     rng = np.random.default_rng(0)
     weights = [_weight(fmt, rng) for fmt in FORMATS]
+    # The one-level q4g32a weight is the two-level one flattened: equal outputs, bit for bit.
+    one_level = FORMATS.index(TWO_LEVEL.one_level)
+    weights[one_level] = flatten(weights[-1])
     mod, _ = _Linears(target).export_tvm(
         spec={"forward": {"x": nn.spec.Tensor(["m", K], "float32")}}
     )
@@ -96,17 +114,14 @@ def test_int8_matmul_matches_numpy(cpu):
         tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target, "float32")),
         tvm.cpu(),
     )
-    params = [
-        tvm.runtime.tensor(to_panels(t))
-        for w in weights
-        for t in (w.codes, w.scales, w.offsets)
-        if t is not None
-    ]
+    params = [tvm.runtime.tensor(to_panels(t)) for w in weights for t in w.arrays().values()]
     for rows in ROWS:
         x = _inputs(rows, rng)
         out = vm["forward"](tvm.runtime.tensor(x), *params).numpy()
         ref = np.concatenate([reference(x, w) for w in weights], axis=-1)
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=rows)
+        outs = out.reshape(rows, len(FORMATS), N)
+        np.testing.assert_array_equal(outs[:, -1], outs[:, one_level], err_msg=rows)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +132,7 @@ def test_integer_dot_instructions_are_emitted(cpu, instruction):
     target = make_target("llvm", cpu=cpu)
     if cpu == "native" and "avx512vnni" not in tvm.target.codegen.llvm_get_cpu_features(target):
         pytest.skip("this CPU has no AVX-512 VNNI")
-    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16)):
+    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16), TWO_LEVEL):
         func = matmul_func(integer_dot(target), fmt, N, K, 64).with_attr("global_symbol", "main")
         asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
         assert instruction in asm, fmt.name

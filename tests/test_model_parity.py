@@ -3,6 +3,8 @@ same weights, and the KV-cache operations speculation relies on (verify == decod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from tiny_models import VOCAB, hf_logits
@@ -88,14 +90,23 @@ def test_multi_query_equals_single_decodes_ragged(any_tiny, draft_lens):
     assert [kv.sequence_length(i) for i in range(3)] == lengths
 
 
-def test_int8_rows_without_a_prefix_equal_decodes_bit_for_bit(tiny_llama_q4_int8):
+@pytest.fixture(params=["q4", "gguf"])
+def int8_artifact(request) -> Path:
+    """int8 activations over q4 weights, and over a GGUF's every tensor type (two-level Q4_K
+    among them)."""
+    if request.param == "q4":
+        return request.getfixturevalue("tiny_llama_q4_int8").artifact
+    return request.getfixturevalue("tiny_gguf_int8")
+
+
+def test_int8_rows_without_a_prefix_equal_decodes_bit_for_bit(int8_artifact):
     """With int8 activations every kernel but attention computes a row the same way whatever the
     number of rows, so 40 new tokens of a fresh sequence (one ragged attention pass, no prefix
     to merge; the matmuls' m >= 32 regime) give exactly the logits of a prefill of one token and
     39 decodes. A verify after a
     prefix is not bit-exact: TVM's KV cache merges a prefix pass and a new-token pass there
     (docs/quantization.md)."""
-    model = Model(tiny_llama_q4_int8.artifact)
+    model = Model(int8_artifact)
     tokens = np.random.default_rng(5).integers(0, VOCAB, 40)
     kv = _cache(model)
     kv.add_sequence(0)

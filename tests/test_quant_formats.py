@@ -18,6 +18,7 @@ from mlc_spec.compiler.quantization import (
     dequantize,
     dequantize_rows,
     describe,
+    flatten,
     format_of,
     from_gguf,
     pack_codes,
@@ -31,7 +32,7 @@ SHAPE = (6, 512)
 EXPECTED_FORMAT = {
     T.Q4_0: "q4g32",
     T.Q4_1: "q4g32a",
-    T.Q4_K: "q4g32a",
+    T.Q4_K: "q4g32as256",
     T.Q8_0: "q8g32",
     T.Q5_0: "q8g32",
     T.Q5_1: "q8g32a",
@@ -133,11 +134,15 @@ def test_pack_refuses_bad_input() -> None:
 
 
 def test_format_names() -> None:
-    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a"):
+    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256"):
         assert GroupFormat.parse(name).name == name
     assert GroupFormat.parse("q4g32").zero == 8 and GroupFormat.parse("q8g16a").zero == 0
+    assert GroupFormat.parse("q4g32as256") == GroupFormat(4, 32, True, 256)
     with pytest.raises(ValueError, match="4 or 8 bits, got 3"):
         GroupFormat.parse("q3g32")
+    for name in ("q4g32s256", "q8g32as256", "q4g32as128"):
+        with pytest.raises(ValueError, match=f"two-level formats .* got {name}"):
+            GroupFormat.parse(name)
     with pytest.raises(ValueError, match="not a group format"):
         GroupFormat.parse("float32")
 
@@ -151,6 +156,13 @@ def test_tensor_validates_its_arrays() -> None:
         QuantizedTensor(fmt, codes, np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32))
     with pytest.raises(ValueError, match=r"shape \(3, 48\)"):
         quantize_symmetric(np.zeros((3, 48), np.float32), 4)
+    two_level = GroupFormat(4, 32, True, 256)
+    codes = np.zeros((2, 32), np.uint32)  # K = 256
+    small, supers = np.zeros((2, 8), np.uint8), np.zeros((2, 1), np.float32)
+    with pytest.raises(ValueError, match="needs exactly scales, offsets, super_scales"):
+        QuantizedTensor(two_level, codes, small, small)
+    with pytest.raises(ValueError, match=r"needs uint8 scales of shape \(2, 8\), got float32"):
+        QuantizedTensor(two_level, codes, small.astype(np.float32), small, supers, supers)
 
 
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 32), (4, 16), (8, 16)])
@@ -219,6 +231,25 @@ def test_promote_refuses_narrowing_and_inexact_offsets() -> None:
         promote(full, GroupFormat.parse("q8g32a"))
 
 
+def test_q4_k_keeps_its_integer_scales() -> None:
+    """Q4_K loads as GGUF stores it: 6-bit sc and m under d and -dmin per 256, 4.75 bits per
+    weight against the one-level 6; ``flatten`` gives the one-level tensor value for value."""
+    shape = (4, 512)
+    data = _gguf_blocks(T.Q4_K, np.random.default_rng(7), shape)
+    qt = from_gguf(data, T.Q4_K, shape)
+    assert qt.scales.max() < 64 and qt.offsets.max() < 64
+    blocks = data.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(4, 2)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(qt.super_scales, d)
+    np.testing.assert_array_equal(qt.super_offsets, -dmin)
+    assert qt.nbytes * 8 == 4.75 * 4 * 512
+    one = flatten(qt)
+    assert one.fmt.name == "q4g32a" and one.nbytes * 8 == 6 * 4 * 512
+    np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
+    assert flatten(one) is one
+
+
 def test_concat_rows_promotes_to_common_format() -> None:
     # Qwen2.5-1.5B Q4_K_M fuses q, k (Q4_K) with v (Q6_K).
     parts = [_gguf_tensor(T.Q4_K, 1, 4), _gguf_tensor(T.Q4_K, 2, 2), _gguf_tensor(T.Q6_K, 3, 2)]
@@ -233,10 +264,23 @@ def test_concat_rows_promotes_to_common_format() -> None:
     )
     with pytest.raises(ValueError, match="different lengths"):
         concat_rows([parts[0], quantize_symmetric(np.zeros((1, 64), np.float32), 4)])
+    gate_up = parts[:2]  # both Q4_K: two levels kept
+    fused = concat_rows(gate_up)
+    assert fused.fmt.name == "q4g32as256" and fused.shape == (6, 256)
+    np.testing.assert_array_equal(
+        _bits(dequantize(fused)), _bits(np.concatenate([dequantize(p) for p in gate_up]))
+    )
+    mixed = [parts[0], _gguf_tensor(T.Q4_1, 6)]  # falls back to one level
+    fused = concat_rows(mixed)
+    assert fused.fmt.name == "q4g32a"
+    np.testing.assert_array_equal(
+        _bits(dequantize(fused)), _bits(np.concatenate([dequantize(p) for p in mixed]))
+    )
 
 
-def test_permute_and_gather_rows() -> None:
-    qt = _gguf_tensor(T.Q4_1, 0, rows=6)
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q4_K], ids=lambda t: t.name)
+def test_permute_and_gather_rows(ggml_type: T) -> None:
+    qt = _gguf_tensor(ggml_type, 0, rows=6)
     full = dequantize(qt)
     index = np.random.default_rng(0).permutation(6)
     np.testing.assert_array_equal(_bits(dequantize(permute_rows(qt, index))), _bits(full[index]))
@@ -251,14 +295,17 @@ def test_permute_and_gather_rows() -> None:
 def test_describe() -> None:
     qt = _gguf_tensor(T.Q4_K, 0, rows=3)
     assert describe(qt) == {
-        "format": "q4g32a",
+        "format": "q4g32as256",
         "shape": [3, 256],
         "tensors": {
             "codes": [[3, 32], "uint32"],
-            "scales": [[3, 8], "float32"],
-            "offsets": [[3, 8], "float32"],
+            "scales": [[3, 8], "uint8"],
+            "offsets": [[3, 8], "uint8"],
+            "super_scales": [[3, 1], "float32"],
+            "super_offsets": [[3, 1], "float32"],
         },
     }
+    assert describe(_gguf_tensor(T.Q4_1, 0))["tensors"]["scales"] == [[4, 8], "float32"]
     assert "offsets" not in describe(_gguf_tensor(T.Q6_K, 0))["tensors"]
     assert describe(np.zeros((4, 2), np.float16)) == {
         "format": "float16",

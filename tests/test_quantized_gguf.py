@@ -11,43 +11,16 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as T
-from tiny_gguf import write_gguf
+from tiny_gguf import DIMS, write_mixed_gguf
 from tiny_models import tiny_config
 
+from mlc_spec.compiler import compile as compile_module
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.quantization.plan import plan_quantization
 from mlc_spec.compiler.sources import load_source
 from mlc_spec.runtime.model import Model
 
-# K-type super-blocks are 256 weights long, so every reduction axis is 256 here.
-DIMS = dict(
-    hidden_size=256,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=256,
-)
-LAYER_TYPES = [
-    {  # q/k Q4_K with v Q6_K fuse as 8-bit per-16 asymmetric; Q4_0 + Q4_1 as 4-bit asymmetric
-        "self_attn.q_proj": T.Q4_K,
-        "self_attn.k_proj": T.Q4_K,
-        "self_attn.v_proj": T.Q6_K,
-        "self_attn.o_proj": T.Q5_K,
-        "mlp.gate_proj": T.Q4_0,
-        "mlp.up_proj": T.Q4_1,
-        "mlp.down_proj": T.Q5_0,
-    },
-    {  # o_proj stays float (F16 in the file)
-        "self_attn.q_proj": T.Q8_0,
-        "self_attn.k_proj": T.Q5_1,
-        "self_attn.v_proj": T.Q4_1,
-        "mlp.gate_proj": T.Q4_K,
-        "mlp.up_proj": T.Q4_K,
-        "mlp.down_proj": T.Q6_K,
-    },
-]
 EXPECTED_FORMATS = {
     "model.embed_tokens.weight": "q8g32",
     "lm_head.weight": "q8g16",
@@ -57,27 +30,9 @@ EXPECTED_FORMATS = {
     "model.layers.0.mlp.down_proj.weight": "q8g32",
     "model.layers.1.self_attn.qkv_proj.weight": "q8g32a",
     "model.layers.1.self_attn.o_proj.weight": "float32",
-    "model.layers.1.mlp.gate_up_proj.weight": "q4g32a",
+    "model.layers.1.mlp.gate_up_proj.weight": "q4g32a",  # Q4_K multiplied out
     "model.layers.1.mlp.down_proj.weight": "q8g16",
 }
-
-
-def _write(path, arch: str, override: dict | None = None):
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **DIMS)).eval().float()
-    state = {k: (0.05 * torch.randn_like(v)).numpy() for k, v in hf.state_dict().items()}
-    types = {"model.embed_tokens.weight": T.Q8_0, "lm_head.weight": T.Q6_K}
-    for layer, kinds in enumerate(LAYER_TYPES):
-        for kind, ggml_type in kinds.items():
-            types[f"model.layers.{layer}.{kind}.weight"] = ggml_type
-    state["model.layers.1.self_attn.o_proj.weight"] = state[
-        "model.layers.1.self_attn.o_proj.weight"
-    ].astype(np.float16)
-    if arch == "qwen2":  # tied: the file has no output tensor
-        del state["lm_head.weight"]
-    types.update(override or {})
-    write_gguf(path, arch, DIMS, state, types)
-    return path
 
 
 def _reference(path, arch: str) -> torch.nn.Module:
@@ -92,7 +47,7 @@ def _reference(path, arch: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_as_source_matches_transformers(tmp_path, arch):
-    path = _write(tmp_path / "tiny.gguf", arch)
+    path = write_mixed_gguf(tmp_path / "tiny.gguf", arch)
     artifact = compile_model(path, "llvm", tmp_path / "artifact", show_progress=False)
     config = json.loads((artifact / "mlc-spec-config.json").read_text())
     assert config["quantization"] == "as-source"
@@ -105,21 +60,57 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
 
     hf = _reference(path, arch)
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
+    ref = _logits(hf, seq)[35:]
+    ours = _our_logits(artifact, seq)
+    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()  # float32 summation order only
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_gguf_int8_two_level_q4_k_equals_multiplied_out(tiny_gguf_int8, tmp_path, monkeypatch):
+    """With int8 activations Q4_K stays two-level (fused gate/up, and the embedding table that
+    the lookup decodes), and computes bit for bit the logits of the same file compiled with
+    Q4_K multiplied out (one-level ``q4g32a``, as the float path loads it): every product of
+    the two-level decoding is exact."""
+    config = json.loads((tiny_gguf_int8 / "mlc-spec-config.json").read_text())
+    formats = {p["weight"]: p["format"] for p in config["params"]}
+    assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "q4g32as256"
+    assert formats["model.embed_tokens.weight"] == "q4g32as256"
+    assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "q8g16a"  # with Q6_K v
+
+    def one_level(*args, **kwargs):
+        return plan_quantization(*args, **{**kwargs, "two_level": False})
+
+    monkeypatch.setattr(compile_module, "plan_quantization", one_level)
+    path = tiny_gguf_int8.parent / "tiny.gguf"
+    multiplied_out = compile_model(
+        path, "llvm", tmp_path / "one-level", show_progress=False, activations="int8"
+    )
+    config = json.loads((multiplied_out / "mlc-spec-config.json").read_text())
+    stored = {p["format"] for p in config["params"]}
+    assert "q4g32a" in stored and "q4g32as256" not in stored
+    seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
+    np.testing.assert_array_equal(
+        _our_logits(tiny_gguf_int8, seq), _our_logits(multiplied_out, seq)
+    )
+
+
+def _logits(hf: torch.nn.Module, seq: np.ndarray) -> np.ndarray:
     with torch.no_grad():
-        ref = hf(torch.from_numpy(seq[None]).long()).logits[0].numpy()
+        return hf(torch.from_numpy(seq[None]).long()).logits[0].numpy()
+
+
+def _our_logits(artifact, seq: np.ndarray) -> np.ndarray:
+    """Logits of ``seq[35:]``: a prefill of 36 tokens, 2 decodes, then one multi-query pass."""
     model = Model(artifact)
     kv = model.create_kv_cache(max_batch_size=2, max_total_len=512, prefill_chunk_size=64)
     kv.add_sequence(0)
-    ours = np.concatenate(
+    return np.concatenate(
         [
             model.prefill(kv, [0], [seq[:36]]).numpy(),
             np.stack([model.decode(kv, [0], [t]).numpy()[0] for t in seq[36:38]]),
             model.evaluate_multi_query(kv, [0], [seq[38:]]).numpy(),
         ]
     )
-    scale = np.abs(ref).max()
-    assert np.abs(ours - ref[35:]).max() <= 1e-5 * scale  # float32 summation order only
-    np.testing.assert_array_equal(ours.argmax(-1), ref[35:].argmax(-1))
 
 
 def _refused(tmp_path, path, *fragments: str, **kwargs) -> None:
@@ -134,10 +125,10 @@ def _refused(tmp_path, path, *fragments: str, **kwargs) -> None:
 
 
 def test_bad_quantization_requests_are_refused(tmp_path):
-    path = _write(tmp_path / "tiny.gguf", "llama")
+    path = write_mixed_gguf(tmp_path / "tiny.gguf", "llama")
     _refused(tmp_path, path, "q4", "already quantized", "as-source", quantization="q4")
     _refused(tmp_path, path, "unknown quantization 'q3'", quantization="q3")
-    unsupported = _write(
+    unsupported = write_mixed_gguf(
         tmp_path / "q2k.gguf", "llama", {"model.layers.0.mlp.gate_proj.weight": T.Q2_K}
     )
     _refused(tmp_path, unsupported, "q2k.gguf", "blk.0.ffn_gate.weight", "Q2_K", "supported")

@@ -1,5 +1,6 @@
 """Writing small GGUF files for tests, the way llama.cpp's converter lays them out: float
-tensors as given, or raw quantized blocks of any GGUF type."""
+tensors as given, or raw quantized blocks of any GGUF type; and a tiny model mixing every
+supported type."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
+import transformers
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from tiny_models import tiny_config
 
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
 
@@ -107,3 +111,55 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# K-type super-blocks are 256 weights long, so every reduction axis is 256 here.
+DIMS = dict(
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+)
+LAYER_TYPES = [
+    {  # q/k Q4_K with v Q6_K fuse as 8-bit per-16 asymmetric; Q4_0 + Q4_1 as 4-bit asymmetric
+        "self_attn.q_proj": T.Q4_K,
+        "self_attn.k_proj": T.Q4_K,
+        "self_attn.v_proj": T.Q6_K,
+        "self_attn.o_proj": T.Q5_K,
+        "mlp.gate_proj": T.Q4_0,
+        "mlp.up_proj": T.Q4_1,
+        "mlp.down_proj": T.Q5_0,
+    },
+    {  # o_proj stays float (F16 in the file); gate/up Q4_K stay two-level
+        "self_attn.q_proj": T.Q8_0,
+        "self_attn.k_proj": T.Q5_1,
+        "self_attn.v_proj": T.Q4_1,
+        "mlp.gate_proj": T.Q4_K,
+        "mlp.up_proj": T.Q4_K,
+        "mlp.down_proj": T.Q6_K,
+    },
+]
+
+
+def write_mixed_gguf(path: Path, arch: str, override: dict[str, T] | None = None) -> Path:
+    """A tiny random model of ``DIMS`` with every supported tensor type (``LAYER_TYPES``, Q8_0
+    embeddings, a Q6_K LM head unless tied), fused parts of mixed types among them; ``override``
+    changes some tensors' types (by Hugging Face name)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **DIMS)).eval().float()
+    state = {k: (0.05 * torch.randn_like(v)).numpy() for k, v in hf.state_dict().items()}
+    types = {"model.embed_tokens.weight": T.Q8_0, "lm_head.weight": T.Q6_K}
+    for layer, kinds in enumerate(LAYER_TYPES):
+        for kind, ggml_type in kinds.items():
+            types[f"model.layers.{layer}.{kind}.weight"] = ggml_type
+    state["model.layers.1.self_attn.o_proj.weight"] = state[
+        "model.layers.1.self_attn.o_proj.weight"
+    ].astype(np.float16)
+    if arch == "qwen2":  # tied: the file has no output tensor
+        del state["lm_head.weight"]
+    types.update(override or {})
+    write_gguf(path, arch, DIMS, state, types)
+    return path

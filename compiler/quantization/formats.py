@@ -10,6 +10,17 @@ consecutive weights of a row and, for asymmetric formats, one float32 offset per
 with g = k // group_size, computed in float32 in exactly that order. Every GGUF type that
 ``gguf_blocks`` maps loads into this rule without re-quantization, and the kernels decode the
 same expression, so numpy, GGUF and the compiled model agree value for value.
+
+*Two-level* formats (``super_group`` > 0, named e.g. ``q4g32as256``; GGUF's Q4_K) store the
+group scale and offset as small integers (uint8) under one float32 pair per super-group of
+``super_group`` weights, as GGUF does:
+
+    scale[n, g] = super_scale[n, s] * sc[n, g]     offset[n, g] = super_offset[n, s] * m[n, g]
+
+with s = k // super_group: 4.75 bits per 4-bit weight instead of 6. For GGUF's values (an f16
+times an integer below 2**6, times a 4-bit code) every product is exact in float32, so the
+weight rounds once, at the sum, however a kernel orders or fuses these multiplications: it is
+the one-level weight of ``flatten``, value for value.
 """
 
 from __future__ import annotations
@@ -25,23 +36,41 @@ _CHUNK_ELEMENTS = 1 << 22
 _FLOAT32_SIGNIFICAND_BITS = 24
 
 
+# Super-group sizes of two-level formats (GGUF's K-type super-block).
+_SUPER_GROUPS = (256,)
+
+
 @dataclass(frozen=True)
 class GroupFormat:
-    """Code width, group size and whether groups carry an offset; named like ``q4g32a``."""
+    """Code width, group size, whether groups carry an offset and, for a two-level format, the
+    super-group size (0: one level); named like ``q4g32a`` or ``q4g32as256``."""
 
     bits: int
     group_size: int
     asymmetric: bool = False
+    super_group: int = 0
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"code width must be 4 or 8 bits, got {self.bits}")
         if self.group_size not in (16, 32):
             raise ValueError(f"group size must be 16 or 32, got {self.group_size}")
+        two_level_ok = self.super_group in _SUPER_GROUPS and self.asymmetric and self.bits == 4
+        if self.super_group and not two_level_ok:
+            raise ValueError(
+                f"two-level formats are 4-bit, asymmetric, with super-groups of {_SUPER_GROUPS}; "
+                f"got {self.name}"
+            )
 
     @property
     def name(self) -> str:
-        return f"q{self.bits}g{self.group_size}{'a' if self.asymmetric else ''}"
+        two_level = f"s{self.super_group}" if self.super_group else ""
+        return f"q{self.bits}g{self.group_size}{'a' if self.asymmetric else ''}{two_level}"
+
+    @property
+    def one_level(self) -> GroupFormat:
+        """The format with the same per-group scale and offset held as float32."""
+        return GroupFormat(self.bits, self.group_size, self.asymmetric)
 
     @property
     def zero(self) -> int:
@@ -54,13 +83,18 @@ class GroupFormat:
 
     @classmethod
     def parse(cls, name: str) -> GroupFormat:
-        match = re.fullmatch(r"q(\d+)g(\d+)(a?)", name)
+        match = re.fullmatch(r"q(\d+)g(\d+)(a?)(?:s(\d+))?", name)
         if match is None:
-            raise ValueError(f"not a group format name: {name!r} (expected e.g. q4g32, q8g16a)")
-        return cls(int(match[1]), int(match[2]), bool(match[3]))
+            raise ValueError(
+                f"not a group format name: {name!r} (expected e.g. q4g32, q8g16a, q4g32as256)"
+            )
+        return cls(int(match[1]), int(match[2]), bool(match[3]), int(match[4] or 0))
 
     def holds(self, other: GroupFormat) -> bool:
-        """Whether every tensor of ``other`` re-encodes into this format (see ``promote``)."""
+        """Whether every tensor of ``other`` re-encodes into this format (see ``promote``): a
+        two-level format holds only itself; a one-level one holds what holds its values."""
+        if self.super_group:
+            return self == other
         return (
             self.bits >= other.bits
             and other.group_size % self.group_size == 0
@@ -69,7 +103,9 @@ class GroupFormat:
 
     @classmethod
     def common(cls, formats: Sequence[GroupFormat]) -> GroupFormat:
-        """The narrowest format that holds all of ``formats``."""
+        """The narrowest format that holds all of ``formats`` (two-level only if all are)."""
+        if len(set(formats)) == 1:
+            return formats[0]
         return cls(
             max(f.bits for f in formats),
             min(f.group_size for f in formats),
@@ -85,39 +121,50 @@ def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
 
 
 def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
-    multiple = max(fmt.group_size, fmt.codes_per_word)  # both are powers of two
+    multiple = max(fmt.group_size, fmt.codes_per_word, fmt.super_group)  # powers of two
     _check_width(shape, multiple, f"{multiple} for {fmt.name}")
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A [N, K] weight in ``fmt``: packed ``codes`` uint32 [N, K*bits/32], ``scales`` float32
-    [N, K/group_size] and ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None."""
+    [N, K/group_size] and ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None.
+    Two-level: ``scales`` and ``offsets`` are uint8 and ``super_scales`` / ``super_offsets``
+    float32 [N, K/super_group] (None in one-level formats)."""
 
     fmt: GroupFormat
     codes: np.ndarray
     scales: np.ndarray
     offsets: np.ndarray | None = None
+    super_scales: np.ndarray | None = None
+    super_offsets: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.codes.dtype != np.uint32 or self.codes.ndim != 2:
             raise ValueError(f"codes must be a 2-D uint32 array, got {self.codes.dtype}")
         _check_format_width(self.shape, self.fmt)
-        groups = (self.shape[0], self.shape[1] // self.fmt.group_size)
-        if self.scales.dtype != np.float32 or self.scales.shape != groups:
+        n, k = self.shape
+        groups = (n, k // self.fmt.group_size)
+        group_type = np.uint8 if self.fmt.super_group else np.float32
+        expected = {"scales": (groups, group_type)}
+        if self.fmt.asymmetric:
+            expected["offsets"] = (groups, group_type)
+        if self.fmt.super_group:
+            supers = (n, k // self.fmt.super_group)
+            expected["super_scales"] = expected["super_offsets"] = (supers, np.float32)
+        given = self.arrays()
+        del given["codes"]
+        if set(given) != set(expected):
             raise ValueError(
-                f"{self.fmt.name} tensor of shape {self.shape} needs float32 scales of shape "
-                f"{groups}, got {self.scales.dtype} {self.scales.shape}"
+                f"{self.fmt.name} tensor needs exactly {', '.join(expected)}, "
+                f"got {', '.join(given)}"
             )
-        if self.fmt.asymmetric != (self.offsets is not None):
-            raise ValueError(f"{self.fmt.name}: offsets must be given exactly when asymmetric")
-        if self.offsets is not None and (
-            self.offsets.dtype != np.float32 or self.offsets.shape != groups
-        ):
-            raise ValueError(
-                f"{self.fmt.name} tensor of shape {self.shape} needs float32 offsets of shape "
-                f"{groups}, got {self.offsets.dtype} {self.offsets.shape}"
-            )
+        for what, (shape, dtype) in expected.items():
+            if given[what].dtype != dtype or given[what].shape != shape:
+                raise ValueError(
+                    f"{self.fmt.name} tensor of shape {self.shape} needs {np.dtype(dtype)} {what} "
+                    f"of shape {shape}, got {given[what].dtype} {given[what].shape}"
+                )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -125,8 +172,12 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.offsets is None else self.offsets.nbytes
-        return self.codes.nbytes + self.scales.nbytes + extra
+        return sum(a.nbytes for a in self.arrays().values())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The stored arrays by field name (each [N, X], row-major), those this format has."""
+        fields = ("codes", "scales", "offsets", "super_scales", "super_offsets")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -159,8 +210,28 @@ def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
     return codes
 
 
+def flatten(qt: QuantizedTensor) -> QuantizedTensor:
+    """A two-level tensor in its one-level format: per group, the float32 scale and offset its
+    integers and super-group pair give (the module docstring); a one-level tensor as it is."""
+    fmt = qt.fmt
+    if not fmt.super_group:
+        return qt
+    ratio = fmt.super_group // fmt.group_size
+
+    def multiplied(supers: np.ndarray, small: np.ndarray) -> np.ndarray:
+        return np.repeat(supers, ratio, axis=1) * small.astype(np.float32)
+
+    return QuantizedTensor(
+        fmt.one_level,
+        qt.codes,
+        multiplied(qt.super_scales, qt.scales),
+        multiplied(qt.super_offsets, qt.offsets),
+    )
+
+
 def dequantize(qt: QuantizedTensor) -> np.ndarray:
     """The float32 [N, K] weights, by the decoding rule in this module's docstring."""
+    qt = flatten(qt)
     fmt = qt.fmt
     n, k = qt.shape
     codes = unpack_codes(qt.codes, fmt.bits).reshape(n, k // fmt.group_size, fmt.group_size)
@@ -180,8 +251,7 @@ def take_rows(qt: QuantizedTensor, rows: np.ndarray) -> QuantizedTensor:
     n = qt.shape[0]
     if rows.size and (rows.min() < -n or rows.max() >= n):
         raise ValueError(f"row index out of range for a tensor of {n} rows")
-    offsets = None if qt.offsets is None else qt.offsets[rows]
-    return QuantizedTensor(qt.fmt, qt.codes[rows], qt.scales[rows], offsets)
+    return QuantizedTensor(qt.fmt, **{f: a[rows] for f, a in qt.arrays().items()})
 
 
 def dequantize_rows(qt: QuantizedTensor, rows: np.ndarray) -> np.ndarray:
@@ -249,7 +319,7 @@ def promote(qt: QuantizedTensor, fmt: GroupFormat) -> QuantizedTensor:
     rounds once, like scale * (c - zero), iff every scale * c' is exact. That holds for every GGUF
     type (scales are an f16 times an integer below 2**8, codes c' below 2**6 for Q6_K); where it
     does not (full-precision scales with wide codes) this raises ValueError instead of changing
-    values.
+    values. A two-level tensor goes into a one-level format through ``flatten``.
     """
     src = qt.fmt
     if not fmt.holds(src):
@@ -257,6 +327,10 @@ def promote(qt: QuantizedTensor, fmt: GroupFormat) -> QuantizedTensor:
             f"cannot re-encode {src.name} as {fmt.name} exactly: the target needs at least as "
             "many bits, a group size dividing the source's, and offsets if the source has them"
         )
+    if fmt == src:
+        return qt
+    qt = flatten(qt)
+    src = qt.fmt
     if fmt == src:
         return qt
     codes = unpack_codes(qt.codes, src.bits)
@@ -294,24 +368,15 @@ def concat_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
     if len(widths) != 1:
         raise ValueError(f"cannot stack rows of different lengths {sorted(widths)}")
     fmt = GroupFormat.common([p.fmt for p in parts])
-    parts = [promote(p, fmt) for p in parts]
-    offsets = None if not fmt.asymmetric else np.concatenate([p.offsets for p in parts])
-    return QuantizedTensor(
-        fmt,
-        np.concatenate([p.codes for p in parts]),
-        np.concatenate([p.scales for p in parts]),
-        offsets,
-    )
+    arrays = [promote(p, fmt).arrays() for p in parts]
+    return QuantizedTensor(fmt, **{f: np.concatenate([a[f] for a in arrays]) for f in arrays[0]})
 
 
 def describe(param: QuantizedTensor | np.ndarray) -> dict:
     """The artifact config's record of one parameter: its format (a group format name or a
     float dtype), logical shape, and the [shape, dtype] of each stored tensor."""
     if isinstance(param, QuantizedTensor):
-        tensors = {"codes": [list(param.codes.shape), "uint32"]}
-        tensors["scales"] = [list(param.scales.shape), "float32"]
-        if param.offsets is not None:
-            tensors["offsets"] = [list(param.offsets.shape), "float32"]
+        tensors = {f: [list(a.shape), str(a.dtype)] for f, a in param.arrays().items()}
         return {"format": param.fmt.name, "shape": list(param.shape), "tensors": tensors}
     dtype = str(param.dtype)
     return {

@@ -4,7 +4,9 @@ Each supported block type is a sum of groups of 32 (16 for Q6_K) weights that sh
 for the ``_1`` and ``_K`` types, a minimum. K-type super-blocks carry 6- or 8-bit sub-scales;
 multiplied out (``d * sc``, ``-(dmin * m)``) they are the per-group scale and offset, computed
 with the same float32 operations as ``gguf.quants``, so ``dequantize(from_gguf(...))`` equals
-``gguf.quants.dequantize(...)`` value for value. Block layouts follow ``gguf/quants.py``.
+``gguf.quants.dequantize(...)`` value for value. Q4_K keeps them as stored instead, in the
+two-level format (sc and m as uint8 under d and -dmin), which decodes to the same values.
+Block layouts follow ``gguf/quants.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ T = GGMLQuantizationType
 # Blocks decoded per step, so temporaries stay a few MB whatever the tensor size.
 _CHUNK_BLOCKS = 1 << 15
 
-# A decoder turns blocks uint8 [B, type_size] into codes uint8 [B, block_size] in element order,
-# scales float32 [B, groups per block] and offsets like scales (None when symmetric).
-_Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+# A decoder turns blocks uint8 [B, type_size] into codes uint8 [B, block_size] in element order
+# and the format's other arrays per block by ``QuantizedTensor`` field: scales [B, groups per
+# block], offsets likewise when asymmetric, super_scales / super_offsets [B, 1] when two-level.
+_Decoded = tuple[np.ndarray, dict[str, np.ndarray]]
 
 
 class UnsupportedTensorType(ValueError):
@@ -39,12 +42,18 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.stack([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-2)
 
 
+def _scaled(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None = None) -> _Decoded:
+    """A one-level format's decoding."""
+    return codes, {"scales": scales} | ({} if offsets is None else {"offsets": offsets})
+
+
 def _q4_0(blocks: np.ndarray) -> _Decoded:
-    return _nibbles(blocks[:, 2:]).reshape(len(blocks), 32), _f16(blocks, 0), None
+    return _scaled(_nibbles(blocks[:, 2:]).reshape(len(blocks), 32), _f16(blocks, 0))
 
 
 def _q4_1(blocks: np.ndarray) -> _Decoded:
-    return _nibbles(blocks[:, 4:]).reshape(len(blocks), 32), _f16(blocks, 0), _f16(blocks, 2)
+    codes = _nibbles(blocks[:, 4:]).reshape(len(blocks), 32)
+    return _scaled(codes, _f16(blocks, 0), _f16(blocks, 2))
 
 
 def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -55,37 +64,47 @@ def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def _q5_0(blocks: np.ndarray) -> _Decoded:
     codes = _five_bit(blocks[:, 2:6], blocks[:, 6:]) + np.uint8(128 - 16)
-    return codes, _f16(blocks, 0), None
+    return _scaled(codes, _f16(blocks, 0))
 
 
 def _q5_1(blocks: np.ndarray) -> _Decoded:
-    return _five_bit(blocks[:, 4:8], blocks[:, 8:]), _f16(blocks, 0), _f16(blocks, 2)
+    return _scaled(_five_bit(blocks[:, 4:8], blocks[:, 8:]), _f16(blocks, 0), _f16(blocks, 2))
 
 
 def _q8_0(blocks: np.ndarray) -> _Decoded:
-    return blocks[:, 2:] ^ np.uint8(0x80), _f16(blocks, 0), None  # int8 q -> q + 128
+    return _scaled(blocks[:, 2:] ^ np.uint8(0x80), _f16(blocks, 0))  # int8 q -> q + 128
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: per-32 scale d * sc and offset -(dmin * m) from the 12 bytes of 6-bit sc/m."""
+def _k_scales(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q4_K/Q5_K in two levels: the 6-bit sc and m of each 32 (from their 12 packed bytes)
+    under d and -dmin."""
     packed = blocks[:, 4:16].reshape(len(blocks), 3, 4)
     d, m, m_d = packed[:, 0], packed[:, 1], packed[:, 2]
     sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    scales = _f16(blocks, 0) * sc.astype(np.float32)
-    return scales, -(_f16(blocks, 2) * mins.astype(np.float32))
+    return {
+        "scales": sc,
+        "offsets": mins,
+        "super_scales": _f16(blocks, 0),
+        "super_offsets": -_f16(blocks, 2),
+    }
 
 
 def _q4_k(blocks: np.ndarray) -> _Decoded:
     codes = _nibbles(blocks[:, 16:].reshape(len(blocks), 4, 32)).reshape(len(blocks), 256)
-    return codes, *_k_scales(blocks)
+    return codes, _k_scales(blocks)
 
 
 def _q5_k(blocks: np.ndarray) -> _Decoded:
     low = _nibbles(blocks[:, 48:].reshape(len(blocks), 4, 32)).reshape(len(blocks), 8, 32)
     qh = blocks[:, 16:48].reshape(len(blocks), 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
     codes = low | ((qh & np.uint8(1)) << np.uint8(4))
-    return codes.reshape(len(blocks), 256), *_k_scales(blocks)
+    k = _k_scales(blocks)  # multiplied out: two-level formats hold 4-bit codes only
+    return _scaled(
+        codes.reshape(len(blocks), 256),
+        k["super_scales"] * k["scales"].astype(np.float32),
+        k["super_offsets"] * k["offsets"].astype(np.float32),
+    )
 
 
 def _q6_k(blocks: np.ndarray) -> _Decoded:
@@ -95,13 +114,13 @@ def _q6_k(blocks: np.ndarray) -> _Decoded:
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts).reshape(n, 8, 32) & np.uint8(3)
     codes = (low | (high << np.uint8(4))) + np.uint8(128 - 32)
     scales = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
-    return codes.reshape(n, 256), scales, None
+    return _scaled(codes.reshape(n, 256), scales)
 
 
 _DECODERS: dict[GGMLQuantizationType, tuple[GroupFormat, Callable[[np.ndarray], _Decoded]]] = {
     T.Q4_0: (GroupFormat(4, 32), _q4_0),
     T.Q4_1: (GroupFormat(4, 32, asymmetric=True), _q4_1),
-    T.Q4_K: (GroupFormat(4, 32, asymmetric=True), _q4_k),
+    T.Q4_K: (GroupFormat(4, 32, asymmetric=True, super_group=256), _q4_k),
     T.Q8_0: (GroupFormat(8, 32), _q8_0),
     T.Q5_0: (GroupFormat(8, 32), _q5_0),
     T.Q5_1: (GroupFormat(8, 32, asymmetric=True), _q5_1),
@@ -165,22 +184,18 @@ def from_gguf(
     n, k = shape
     blocks = raw.reshape(-1, type_size)
     words = np.empty(n * k * fmt.bits // 32, dtype=np.uint32)
-    scales = np.empty((len(blocks), block_size // fmt.group_size), dtype=np.float32)
-    offsets = np.empty_like(scales) if fmt.asymmetric else None
+    others: dict[str, list[np.ndarray]] = {}
     words_per_block = block_size * fmt.bits // 32
     for start in range(0, len(blocks), _CHUNK_BLOCKS):
-        chunk = slice(start, start + _CHUNK_BLOCKS)
-        codes, scales[chunk], chunk_offsets = decode(blocks[chunk])
-        if offsets is not None:
-            offsets[chunk] = chunk_offsets
+        codes, arrays = decode(blocks[start : start + _CHUNK_BLOCKS])
+        for field, array in arrays.items():
+            others.setdefault(field, []).append(array)
         stop = start + len(codes)
         words[start * words_per_block : stop * words_per_block] = pack_codes(
             codes.reshape(1, -1), fmt.bits
         ).reshape(-1)
-    groups = (n, k // fmt.group_size)
     return QuantizedTensor(
         fmt,
         words.reshape(n, -1),
-        scales.reshape(groups),
-        None if offsets is None else offsets.reshape(groups),
+        **{field: np.concatenate(parts).reshape(n, -1) for field, parts in others.items()},
     )

@@ -31,11 +31,15 @@ def plan_quantization(
     stored_formats: Mapping[str, GroupFormat | None],
     quantization: str,
     float_panels: bool = False,
+    two_level: bool = False,
 ) -> dict[str, Quantize]:
     """The storage of each linear and embedding weight (``weights``: name -> [N, K]); weights
     left out keep the plain float layout. ``stored_formats`` gives the source tensors' own
     formats by Hugging Face name (empty for a float source). ``float_panels`` puts the float
-    weights in panels too (the CPU kernels want them so)."""
+    weights in panels too (the CPU kernels want them so). ``two_level`` keeps two-level stored
+    formats (Q4_K) as they are; otherwise they load multiplied out, one-level: the
+    float-activation kernels decode a two-level group scale per weight, not per group, and
+    decoded Qwen2.5-1.5B 1.24x slower (docs/quantization.md)."""
     if quantization not in QUANTIZATIONS:
         raise CompileError(
             f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
@@ -47,7 +51,8 @@ def plan_quantization(
         for weight in weights:
             formats = [stored_formats.get(src) for src in hf_sources(weight)]
             if all(f is not None for f in formats):
-                plan[weight] = Quantize(GroupFormat.common(formats), as_stored=True)
+                fmt = GroupFormat.common(formats)
+                plan[weight] = Quantize(fmt if two_level else fmt.one_level, as_stored=True)
         return plan
     quantized = sorted(n for n, f in stored_formats.items() if f is not None)
     if quantized:
