@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import tvm
 from tvm import tirx
 from tvm.relax.frontend import nn
@@ -56,6 +57,7 @@ from mlc_spec.runtime.artifact import ACTIVATIONS
 from .errors import CompileError
 
 _NIBBLES = 0x0F0F0F0F
+_HIGHS = 0x03030303
 _INT8_MAX = 127.0
 # vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
 _INT16_SUMS = 8
@@ -85,16 +87,42 @@ class IntegerDot:
     maddubs: str | None = None
     maddwd: str | None = None
 
-    def decode(self, word, bits: int) -> list[tuple]:
-        """A vector of code words -> its parts (codes, byte offset of their activations in
-        the word's columns, weight): 4-bit words give low nibbles (even k) and high nibbles
-        (odd k, 4 bytes on in the interleaved activations); 8-bit words on the vpmaddubsw path
-        give their nibbles, weighted 1 and 16, so that no int16 pair sum saturates."""
-        if bits == 8 and self.vnni:
-            return [(word, 0, 1)]
-        lo = T.Bind(word & self._i32_const(_NIBBLES))
-        hi = T.Bind((word >> self._i32_const(4)) & self._i32_const(_NIBBLES))
-        return [(lo, 0, 1), (hi, 4, 1)] if bits == 4 else [(lo, 0, 1), (hi, 0, 16)]
+    def decode(self, words: list, bits: int) -> list[tuple]:
+        """The vectors of code words of one group -> its parts (codes, column of their first
+        activation in the group, weight). 4-bit words give low nibbles (even k) and high
+        nibbles (odd k, 4 bytes on in the interleaved activations). 8-bit words on the
+        vpmaddubsw path give their nibbles, weighted 1 and 16, so that no int16 pair sum
+        saturates. 6-bit groups (two words of low nibbles and one of highs, see
+        ``compiler/quantization/formats.py``) add to each nibble part its highs, shifted to
+        bits 4-5 of each byte, or on the vpmaddubsw path give them as parts weighted 16."""
+        if bits == 6:
+            return [part for i in range(4) for part in self._six_bit(words, i)]
+        parts = []
+        for w, word in enumerate(words):
+            if bits == 8 and self.vnni:
+                parts.append((word, 4 * w, 1))
+                continue
+            lo = T.Bind(word & self._i32_const(_NIBBLES))
+            hi = T.Bind((word >> self._i32_const(4)) & self._i32_const(_NIBBLES))
+            if bits == 4:
+                parts += [(lo, 8 * w, 1), (hi, 8 * w + 4, 1)]
+            else:
+                parts += [(lo, 4 * w, 1), (hi, 4 * w, 16)]
+        return parts
+
+    def _six_bit(self, words: list, i: int) -> list[tuple]:
+        """Part i (even, odd k of the first low word, then of the second) of a 6-bit group."""
+        low, column = words[i // 2], 8 * (i // 2) + 4 * (i % 2)
+        if i % 2:
+            low = low >> self._i32_const(4)
+        nibbles = low & self._i32_const(_NIBBLES)
+        if not self.vnni:
+            highs = (words[2] >> self._i32_const(2 * i)) & self._i32_const(_HIGHS)
+            return [(T.Bind(nibbles), column, 1), (T.Bind(highs), column, 16)]
+        shift = 4 - 2 * i  # the highs of part i sit at bits 2i, 2i + 1 of each byte
+        highs = words[2] << self._i32_const(shift) if shift > 0 else words[2]
+        highs = highs >> self._i32_const(-shift) if shift < 0 else highs
+        return [(T.Bind(nibbles | (highs & self._i32_const(_HIGHS << 4))), column, 1)]
 
     def accumulate(self, start, parts: list[tuple]):
         """``start`` (int32 lanes) plus the exact int32 sum of weight x dot(codes, x) over
@@ -200,7 +228,7 @@ class Int8Matmul:
         rows = op.reshape(x, (-1, k))
         m, groups = rows.shape[0], k // fmt.group_size
         xq, xs, xsum = op.tensor_ir_op(
-            quantize_func(k, fmt.group_size, interleave=fmt.bits == 4, zero=fmt.zero),
+            quantize_func(k, fmt.group_size, interleave=fmt.bits in (4, 6), zero=fmt.zero),
             f"{name}_quantize_x",
             [rows],
             [
@@ -301,8 +329,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
     """out [M, n] float32 from ``quantize_func``'s outputs and a weight [n, k] in panels of
     ``panel`` rows in format ``fmt``: one kernel, branching on M over the row tiles."""
     lanes = dot.lanes
-    per_word = 32 // fmt.bits
-    words_per_group = fmt.group_size // per_word
+    words_per_group = fmt.group_size * fmt.bits // 32
     groups, vectors, panels = k // fmt.group_size, panel // lanes, n // panel
     largest = dot.max_rows
     f32 = dot.f32
@@ -312,8 +339,8 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
         xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(fmt.zero))
-        codes = T.arg("codes", T.buffer((panels, k // per_word, panel), "uint32"))
-        group_type = "uint8" if fmt.super_group else "float32"
+        codes = T.arg("codes", T.buffer((panels, groups * words_per_group, panel), "uint32"))
+        group_type = str(np.dtype(fmt.group_type))
         scales = T.arg("scales", T.buffer((panels, groups, panel), group_type))
         offsets = (
             T.arg("offsets", T.buffer((panels, groups, panel), group_type))
@@ -323,22 +350,25 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         if fmt.super_group:
             supers = (panels, k // fmt.super_group, panel)
             super_scales = T.arg("super_scales", T.buffer(supers, "float32"))
-            super_offsets = T.arg("super_offsets", T.buffer(supers, "float32"))
+            if fmt.asymmetric:
+                super_offsets = T.arg("super_offsets", T.buffer(supers, "float32"))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
 
         def scale_offset(p, g, lane0) -> tuple:
             """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``:
-            loaded, or for a two-level format multiplied from its uint8 integers and its
-            super-group's pair (exact products: the same values as the one-level format's)."""
+            loaded, or for a two-level format multiplied from its integers and its
+            super-group's float32 (exact products: the same values as the one-level format's)."""
             if not fmt.super_group:
                 offset = offsets.vload([p, g, lane0], f32) if offsets is not None else None
                 return scales.vload([p, g, lane0], f32), offset
             s = g // (fmt.super_group // fmt.group_size)
 
             def times(supers, small):
-                integers = T.Cast(f32, small.vload([p, g, lane0], f"uint8x{lanes}"))
+                integers = T.Cast(f32, small.vload([p, g, lane0], f"{group_type}x{lanes}"))
                 return supers.vload([p, s, lane0], f32) * integers
 
+            if offsets is None:
+                return times(super_scales, scales), None
             return times(super_scales, scales), times(super_offsets, offsets)
 
         def x_word(row, column):
@@ -348,15 +378,19 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         def group_parts(p, g, lane0) -> list[tuple]:
             """The decoded code vectors of group g, lanes from ``lane0``, with the column
             of their first activation and their weight."""
-            parts = []
-            for w in range(words_per_group):
-                word = codes.vload([p, g * words_per_group + w, lane0], f"uint32x{lanes}")
-                column = g * fmt.group_size + w * per_word
-                for part, offset, weight in dot.decode(
-                    T.Bind(T.reinterpret(dot.i32, word)), fmt.bits
-                ):
-                    parts.append((part, column + offset, weight))
-            return parts
+            words = [
+                T.Bind(
+                    T.reinterpret(
+                        dot.i32,
+                        codes.vload([p, g * words_per_group + w, lane0], f"uint32x{lanes}"),
+                    )
+                )
+                for w in range(words_per_group)
+            ]
+            return [
+                (part, g * fmt.group_size + column, weight)
+                for part, column, weight in dot.decode(words, fmt.bits)
+            ]
 
         def group_terms(p, g, v, rows: int, base, acc_load, acc_store) -> None:
             """Adds group g of vector v of panel p, times rows base .. base + rows - 1 (all

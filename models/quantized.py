@@ -3,8 +3,8 @@ rewrite that installs them.
 
 A quantized weight [N, K] is stored as its integer codes packed into 32-bit words along K,
 one float32 scale per group of ``group_size`` columns and, for asymmetric formats, one float32
-offset per group; or, in a two-level format, both as uint8 under a float32 pair per super-group
-(``compiler/quantization/formats.py`` defines the formats). The layers
+offset per group; or, in a two-level format, both as small integers under a float32 pair per
+super-group (``compiler/quantization/formats.py`` defines the formats). The layers
 dequantize inside the kernel that uses the weight: the matmul's TE computes the weight from
 its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines that computation into the
 matmul's inner loop, so no float copy of a weight is ever written to memory. A float weight
@@ -49,6 +49,11 @@ class GroupFormat(Protocol):
         """The code that decodes to zero in a symmetric format (0 for an asymmetric one)."""
         ...
 
+    @property
+    def group_type(self) -> type:
+        """The numpy type of the stored group scales (and offsets)."""
+        ...
+
 
 class ActivationMatmul(Protocol):
     """Another kernel for x @ W.T with a quantized W, that quantizes x too (the compiler's
@@ -66,12 +71,31 @@ def _group_scale_offset(fmt: GroupFormat, tensors: list[te.Tensor], p, g, r) -> 
     """The float32 scale and offset (None if symmetric) of group g at (panel p, row r of it):
     read, or for a two-level format multiplied from its integers and super-group pair."""
     scales = tensors[1]
+    offsets = tensors[2] if fmt.asymmetric else None
     if not fmt.super_group:
-        return scales[p, g, r], (tensors[2][p, g, r] if fmt.asymmetric else None)
-    offsets, super_scales, super_offsets = tensors[2:5]
+        return scales[p, g, r], (offsets[p, g, r] if offsets is not None else None)
+    super_scales = tensors[-2 if fmt.asymmetric else -1]
     s = g // (fmt.super_group // fmt.group_size)
     scale = super_scales[p, s, r] * scales[p, g, r].astype("float32")
-    return scale, super_offsets[p, s, r] * offsets[p, g, r].astype("float32")
+    if offsets is None:
+        return scale, None
+    return scale, tensors[-1][p, s, r] * offsets[p, g, r].astype("float32")
+
+
+def _bits(word, shift, width: int):
+    """``width`` bits of a uint32 ``word`` from bit ``shift`` on."""
+    return (word >> shift.astype("uint32")) & tirx.const((1 << width) - 1, "uint32")
+
+
+def _code_at(fmt: GroupFormat, codes: te.Tensor, p, col, r):
+    """The code of column ``col`` at (panel p, row r of it), as ``pack_codes`` stores it."""
+    if fmt.bits != 6:
+        per_word = 32 // fmt.bits
+        return _bits(codes[p, col // per_word, r], (col % per_word) * fmt.bits, fmt.bits)
+    first, j = col // 16 * 3, col % 16
+    low = _bits(codes[p, first + j // 8, r], (j % 8) * 4, 4)
+    high = _bits(codes[p, first + 2, r], (j % 8) // 2 * 8 + (j // 8 * 2 + j % 2) * 2, 2)
+    return low | (high << tirx.const(4, "uint32"))
 
 
 def _weight_at(fmt: GroupFormat | None, tensors: list[te.Tensor], row, col):
@@ -81,15 +105,11 @@ def _weight_at(fmt: GroupFormat | None, tensors: list[te.Tensor], row, col):
     p, r = row // panel, row % panel
     if fmt is None:
         return tensors[0][p, col, r].astype("float32")
-    codes = tensors[0]
-    per_word = 32 // fmt.bits
-    word = codes[p, col // per_word, r]
-    shift = ((col % per_word) * fmt.bits).astype("uint32")
-    code = ((word >> shift) & tirx.const((1 << fmt.bits) - 1, "uint32")).astype("float32")
+    code = _code_at(fmt, tensors[0], p, col, r).astype("float32")
     scale, offset = _group_scale_offset(fmt, tensors, p, col // fmt.group_size, r)
     if offset is not None:
         return scale * code + offset
-    return scale * (code - tirx.const(float(1 << (fmt.bits - 1)), "float32"))
+    return scale * (code - tirx.const(float(fmt.zero), "float32"))
 
 
 def quantized_matmul(
@@ -127,9 +147,9 @@ def quantized_matmul(
 class QuantizedWeight(nn.Module):
     """The parameters of one [N, K] weight stored in panels of P output rows, k-major inside a
     panel: a quantized weight's ``codes`` [N/P, K*bits/32, P], ``scales`` and ``offsets``
-    [N/P, K/group, P] (uint8 in a two-level format, with float32 ``super_scales`` and
-    ``super_offsets`` [N/P, K/super_group, P]), or a float weight's ``panels`` [N/P, K, P]
-    (``fmt`` None). One loaded
+    [N/P, K/group, P] (small integers in a two-level format, with float32 ``super_scales``
+    and, if asymmetric, ``super_offsets`` [N/P, K/super_group, P]), or a float weight's
+    ``panels`` [N/P, K, P] (``fmt`` None). One loaded
     vector then holds the same code word of P consecutive output rows, so the CPU kernel
     vectorises along the output and streams each panel front to back (``to_panels`` makes this
     layout from the row-major one)."""
@@ -142,19 +162,21 @@ class QuantizedWeight(nn.Module):
             self.codes_per_word = 1
             self.panels = nn.Parameter((n // panel, k, panel), "float32")
             return
-        block = max(fmt.group_size, fmt.super_group)
-        if k % block or k % (32 // fmt.bits):
+        # Codes per block of whole words: the float schedule decodes a block per inner loop.
+        self.codes_per_word = 16 if fmt.bits == 6 else 32 // fmt.bits
+        block = max(fmt.group_size, fmt.super_group, self.codes_per_word)
+        if k % block:
             raise ValueError(f"{k} columns are not a multiple of the {fmt.name} block {block}")
-        self.codes_per_word = 32 // fmt.bits
         groups = (n // panel, k // fmt.group_size, panel)
-        group_type = "uint8" if fmt.super_group else "float32"
-        self.codes = nn.Parameter((n // panel, k // self.codes_per_word, panel), "uint32")
+        group_type = str(np.dtype(fmt.group_type))
+        self.codes = nn.Parameter((n // panel, k * fmt.bits // 32, panel), "uint32")
         self.scales = nn.Parameter(groups, group_type)
         self.offsets = nn.Parameter(groups, group_type) if fmt.asymmetric else None
         if fmt.super_group:
             supers = (n // panel, k // fmt.super_group, panel)
             self.super_scales = nn.Parameter(supers, "float32")
-            self.super_offsets = nn.Parameter(supers, "float32")
+            if fmt.asymmetric:
+                self.super_offsets = nn.Parameter(supers, "float32")
 
     def tensors(self) -> list[nn.Tensor]:
         """The parameters in the order of ``PANEL_SUFFIXES`` (those this format has)."""

@@ -43,13 +43,14 @@ FUNCTIONS = (
 )
 
 # Storage dtypes of parameters: float weights, and the codes and scales of quantized ones
-# (uint8: a two-level format's group scales and offsets).
+# (uint8, int8: a two-level format's group scales and offsets).
 NUMPY_DTYPES = {
     "float32": np.float32,
     "float16": np.float16,
     "bfloat16": ml_dtypes.bfloat16,
     "uint32": np.uint32,
     "uint8": np.uint8,
+    "int8": np.int8,
 }
 
 

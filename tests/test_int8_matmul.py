@@ -24,13 +24,14 @@ from mlc_spec.compiler.targets import make_target, vector_features
 from mlc_spec.models.quantized import QuantizedLinear, to_panels
 
 N, K = 128, 512  # two panels of 64 rows; 16 groups of 32, 2 super-groups of 256
-TWO_LEVEL = GroupFormat(4, 32, True, 256)
+TWO_LEVEL = [GroupFormat(4, 32, True, 256), GroupFormat(6, 16, super_group=256)]
 FORMATS = [
     GroupFormat(4, 32),
     GroupFormat(4, 32, True),
     GroupFormat(8, 32),
     GroupFormat(8, 16, True),
-    TWO_LEVEL,
+    GroupFormat(8, 16),
+    *TWO_LEVEL,
 ]
 # Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
@@ -65,12 +66,15 @@ def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
 def _weight(fmt: GroupFormat, rng: np.random.Generator) -> QuantizedTensor:
     groups = (N, K // fmt.group_size)
     codes = rng.integers(0, 1 << fmt.bits, (N, K))
-    if fmt.super_group:  # as Q4_K: 6-bit integers under f16 values
-        shape = (N, K // fmt.super_group)
-        f16 = [rng.uniform(-0.01, 0.01, shape).astype(np.float16) for _ in range(2)]
+    if fmt.super_group:  # as Q4_K (6-bit sc, m) and Q6_K (int8 sc): integers under f16 values
+        shape, parts = (N, K // fmt.super_group), 2 if fmt.asymmetric else 1
+        f16 = [rng.uniform(-0.01, 0.01, shape).astype(np.float16) for _ in range(parts)]
         supers = [d.astype(np.float32) for d in f16]
-        small = [rng.integers(0, 64, groups, dtype=np.uint8) for _ in range(2)]
-        return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), *small, *supers)
+        low, high = (0, 64) if fmt.asymmetric else (-128, 128)
+        small = [rng.integers(low, high, groups).astype(fmt.group_type) for _ in range(parts)]
+        names = ["scales", "offsets"][:parts] + ["super_scales", "super_offsets"][:parts]
+        arrays = dict(zip(names, small + supers, strict=True))
+        return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), **arrays)
     scales = rng.uniform(0.01, 0.1, groups).astype(np.float32)
     offsets = rng.normal(0, 0.2, groups).astype(np.float32) if fmt.asymmetric else None
     return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), scales, offsets)
@@ -104,9 +108,10 @@ def test_int8_matmul_matches_numpy(cpu):
         pytest.skip(f"this CPU cannot run {cpu} code")
     rng = np.random.default_rng(0)
     weights = [_weight(fmt, rng) for fmt in FORMATS]
-    # The one-level q4g32a weight is the two-level one flattened: equal outputs, bit for bit.
-    one_level = FORMATS.index(TWO_LEVEL.one_level)
-    weights[one_level] = flatten(weights[-1])
+    # Each two-level weight's one-level format holds it flattened: equal outputs, bit for bit.
+    pairs = [(FORMATS.index(f), FORMATS.index(f.one_level)) for f in TWO_LEVEL]
+    for two, one in pairs:
+        weights[one] = flatten(weights[two])
     mod, _ = _Linears(target).export_tvm(
         spec={"forward": {"x": nn.spec.Tensor(["m", K], "float32")}}
     )
@@ -121,7 +126,8 @@ def test_int8_matmul_matches_numpy(cpu):
         ref = np.concatenate([reference(x, w) for w in weights], axis=-1)
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=rows)
         outs = out.reshape(rows, len(FORMATS), N)
-        np.testing.assert_array_equal(outs[:, -1], outs[:, one_level], err_msg=rows)
+        for two, one in pairs:
+            np.testing.assert_array_equal(outs[:, two], outs[:, one], err_msg=rows)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +138,7 @@ def test_integer_dot_instructions_are_emitted(cpu, instruction):
     target = make_target("llvm", cpu=cpu)
     if cpu == "native" and "avx512vnni" not in tvm.target.codegen.llvm_get_cpu_features(target):
         pytest.skip("this CPU has no AVX-512 VNNI")
-    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16), TWO_LEVEL):
+    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16), *TWO_LEVEL):
         func = matmul_func(integer_dot(target), fmt, N, K, 64).with_attr("global_symbol", "main")
         asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
         assert instruction in asm, fmt.name

@@ -37,7 +37,7 @@ EXPECTED_FORMAT = {
     T.Q5_0: "q8g32",
     T.Q5_1: "q8g32a",
     T.Q5_K: "q8g32a",
-    T.Q6_K: "q8g16",
+    T.Q6_K: "q6g16s256",
 }
 # gguf 0.19 has no quantizer for the K types: their blocks are random bytes with finite f16
 # d / dmin at these byte offsets.
@@ -112,6 +112,25 @@ def test_gguf_row_length_must_fit_blocks() -> None:
         from_gguf(np.zeros(144, np.uint8), T.Q4_K, (2, 128))
 
 
+def test_six_bit_pack_layout_and_round_trip() -> None:
+    """Per 16 codes, two words of low nibbles and one of highs (code 8h + 2b + o's high bits at
+    bit 8b + 2(2h + o)), the order the int8 kernel's masks read."""
+    codes = np.random.default_rng(6).integers(0, 64, (3, 32), dtype=np.uint8)
+    words = pack_codes(codes, 6)
+    assert words.shape == (3, 6)
+    group = codes[1, 16:]
+    assert int(words[1, 3]) == sum(int(group[i] & 15) << (4 * i) for i in range(8))
+    assert int(words[1, 4]) == sum(int(group[8 + i] & 15) << (4 * i) for i in range(8))
+    high = sum(
+        int(group[8 * h + 2 * b + o] >> 4) << (8 * b + 2 * (2 * h + o))
+        for h in range(2)
+        for b in range(4)
+        for o in range(2)
+    )
+    assert int(words[1, 5]) == high
+    np.testing.assert_array_equal(unpack_codes(words, 6), codes)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pack_layout_and_round_trip(bits: int) -> None:
     rng = np.random.default_rng(bits)
@@ -129,20 +148,26 @@ def test_pack_refuses_bad_input() -> None:
         pack_codes(np.zeros((2, 12), np.uint8), 4)
     with pytest.raises(ValueError, match=r"\[0, 15\]"):
         pack_codes(np.full((1, 8), 16), 4)
-    with pytest.raises(ValueError, match="4 or 8 bits"):
+    with pytest.raises(ValueError, match="4, 6 or 8 bits"):
         pack_codes(np.zeros((1, 32), np.uint8), 2)
+    with pytest.raises(ValueError, match=r"\[0, 63\]"):
+        pack_codes(np.full((1, 16), 64), 6)
 
 
 def test_format_names() -> None:
-    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256"):
+    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256", "q6g16s256"):
         assert GroupFormat.parse(name).name == name
     assert GroupFormat.parse("q4g32").zero == 8 and GroupFormat.parse("q8g16a").zero == 0
     assert GroupFormat.parse("q4g32as256") == GroupFormat(4, 32, True, 256)
-    with pytest.raises(ValueError, match="4 or 8 bits, got 3"):
+    assert GroupFormat.parse("q6g16s256").zero == 32
+    assert GroupFormat.parse("q6g16s256").one_level.name == "q8g16"
+    with pytest.raises(ValueError, match="4, 6 or 8 bits, got 3"):
         GroupFormat.parse("q3g32")
-    for name in ("q4g32s256", "q8g32as256", "q4g32as128"):
+    for name in ("q4g32s256", "q8g32as256", "q4g32as128", "q6g16as256", "q6g32s256"):
         with pytest.raises(ValueError, match=f"two-level formats .* got {name}"):
             GroupFormat.parse(name)
+    with pytest.raises(ValueError, match="6-bit codes exist only in .* q6g16s256"):
+        GroupFormat.parse("q6g16")
     with pytest.raises(ValueError, match="not a group format"):
         GroupFormat.parse("float32")
 
@@ -219,7 +244,7 @@ def test_promote_is_exact(source: T) -> None:
 
 
 def test_promote_refuses_narrowing_and_inexact_offsets() -> None:
-    qt = _gguf_tensor(T.Q6_K, 0)
+    qt = flatten(_gguf_tensor(T.Q6_K, 0))
     for name in ("q4g16", "q8g32"):
         with pytest.raises(ValueError, match=f"q8g16 as {name}"):
             promote(qt, GroupFormat.parse(name))
@@ -248,6 +273,23 @@ def test_q4_k_keeps_its_integer_scales() -> None:
     assert one.fmt.name == "q4g32a" and one.nbytes * 8 == 6 * 4 * 512
     np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
     assert flatten(one) is one
+
+
+def test_q6_k_keeps_its_integer_scales() -> None:
+    """Q6_K loads as GGUF stores it: 6-bit codes, int8 sc per 16 under d per 256, 6.625 bits
+    per weight against the 10 of q8g16; ``flatten`` gives q8g16 value for value."""
+    shape = (4, 512)
+    data = _gguf_blocks(T.Q6_K, np.random.default_rng(8), shape)
+    qt = from_gguf(data, T.Q6_K, shape)
+    blocks = data.reshape(-1, 210)
+    np.testing.assert_array_equal(qt.scales, blocks[:, 192:208].view(np.int8).reshape(4, 32))
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(qt.super_scales, d)
+    assert qt.offsets is None and qt.super_offsets is None
+    assert qt.nbytes * 8 == 6.625 * 4 * 512
+    one = flatten(qt)
+    assert one.fmt.name == "q8g16" and one.nbytes * 8 == 10 * 4 * 512
+    np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
 
 
 def test_concat_rows_promotes_to_common_format() -> None:
@@ -306,7 +348,11 @@ def test_describe() -> None:
         },
     }
     assert describe(_gguf_tensor(T.Q4_1, 0))["tensors"]["scales"] == [[4, 8], "float32"]
-    assert "offsets" not in describe(_gguf_tensor(T.Q6_K, 0))["tensors"]
+    assert describe(_gguf_tensor(T.Q6_K, 0))["tensors"] == {
+        "codes": [[4, 48], "uint32"],
+        "scales": [[4, 16], "int8"],
+        "super_scales": [[4, 1], "float32"],
+    }
     assert describe(np.zeros((4, 2), np.float16)) == {
         "format": "float16",
         "shape": [4, 2],

@@ -66,32 +66,43 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_gguf_int8_two_level_q4_k_equals_multiplied_out(tiny_gguf_int8, tmp_path, monkeypatch):
-    """With int8 activations Q4_K stays two-level (fused gate/up, and the embedding table that
-    the lookup decodes), and computes bit for bit the logits of the same file compiled with
-    Q4_K multiplied out (one-level ``q4g32a``, as the float path loads it): every product of
-    the two-level decoding is exact."""
-    config = json.loads((tiny_gguf_int8 / "mlc-spec-config.json").read_text())
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_int8_two_level_equals_multiplied_out(arch, request, tmp_path, monkeypatch):
+    """With int8 activations Q4_K and Q6_K stay two-level and compute bit for bit the logits of
+    the same file compiled with them multiplied out (one-level ``q4g32a`` / 8-bit ``q8g16``, as
+    the float path loads them): every product of the two-level decoding is exact. llama: fused
+    Q4_K gate/up, a Q4_K embedding table that the lookup decodes, a Q6_K LM head and down
+    projection; qwen2: a tied Q6_K table, decoded by the lookup and the LM head alike."""
+    if arch == "llama":
+        artifact = request.getfixturevalue("tiny_gguf_int8")
+        path = artifact.parent / "tiny.gguf"
+    else:
+        override = {"model.embed_tokens.weight": T.Q6_K}
+        path = write_mixed_gguf(tmp_path / "tiny.gguf", arch, override)
+        artifact = compile_model(
+            path, "llvm", tmp_path / "two-level", show_progress=False, activations="int8"
+        )
+    config = json.loads((artifact / "mlc-spec-config.json").read_text())
     formats = {p["weight"]: p["format"] for p in config["params"]}
     assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "q4g32as256"
-    assert formats["model.embed_tokens.weight"] == "q4g32as256"
-    assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "q8g16a"  # with Q6_K v
+    assert formats["model.layers.1.mlp.down_proj.weight"] == "q6g16s256"
+    assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "q8g16a"  # Q4_K q, k; Q6_K v
+    table = {"llama": "q4g32as256", "qwen2": "q6g16s256"}[arch]
+    assert formats["model.embed_tokens.weight"] == table
+    assert formats.get("lm_head.weight", "tied") == {"llama": "q6g16s256", "qwen2": "tied"}[arch]
 
     def one_level(*args, **kwargs):
         return plan_quantization(*args, **{**kwargs, "two_level": False})
 
     monkeypatch.setattr(compile_module, "plan_quantization", one_level)
-    path = tiny_gguf_int8.parent / "tiny.gguf"
     multiplied_out = compile_model(
         path, "llvm", tmp_path / "one-level", show_progress=False, activations="int8"
     )
     config = json.loads((multiplied_out / "mlc-spec-config.json").read_text())
     stored = {p["format"] for p in config["params"]}
-    assert "q4g32a" in stored and "q4g32as256" not in stored
+    assert {"q4g32a", "q8g16"} <= stored and not {"q4g32as256", "q6g16s256"} & stored
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
-    np.testing.assert_array_equal(
-        _our_logits(tiny_gguf_int8, seq), _our_logits(multiplied_out, seq)
-    )
+    np.testing.assert_array_equal(_our_logits(artifact, seq), _our_logits(multiplied_out, seq))
 
 
 def _logits(hf: torch.nn.Module, seq: np.ndarray) -> np.ndarray:

@@ -17,10 +17,17 @@ group scale and offset as small integers (uint8) under one float32 pair per supe
 
     scale[n, g] = super_scale[n, s] * sc[n, g]     offset[n, g] = super_offset[n, s] * m[n, g]
 
-with s = k // super_group: 4.75 bits per 4-bit weight instead of 6. For GGUF's values (an f16
-times an integer below 2**6, times a 4-bit code) every product is exact in float32, so the
-weight rounds once, at the sum, however a kernel orders or fuses these multiplications: it is
-the one-level weight of ``flatten``, value for value.
+with s = k // super_group: 4.75 bits per 4-bit weight instead of 6. GGUF's Q6_K is the
+symmetric two-level ``q6g16s256``: 6-bit codes, int8 scales per 16 under one float32 per 256,
+6.625 bits per weight instead of the 10 of ``q8g16``. For GGUF's values (an f16 times an
+integer below 2**8, times a code below 2**6) every product is exact in float32, so the weight
+rounds once, at the sum, however a kernel orders or fuses these multiplications: it is the
+one-level weight of ``flatten``, value for value.
+
+6-bit codes exist only there. Each 16 codes of a row take 3 words: two of low nibbles (as
+4-bit codes pack) and one of the 2-bit highs, ordered for the int8 kernel: the high bits of
+code 8h + 2b + o sit at bit 8b + 2(2h + o), so one shift and mask put the highs of the 4 codes
+that one nibble mask extracts (even or odd k of a low word) into byte b of a vector lane.
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ _FLOAT32_SIGNIFICAND_BITS = 24
 
 # Super-group sizes of two-level formats (GGUF's K-type super-block).
 _SUPER_GROUPS = (256,)
+# The two-level formats: (bits, group size, asymmetric) -> the type of their group integers
+# (GGUF's Q4_K, and Q6_K with its signed sub-scales).
+_TWO_LEVEL = {(4, 32, True): np.uint8, (6, 16, False): np.int8}
+# Where the 2-bit high of code j (0..15) of a 6-bit group sits in the group's third word.
+_HIGH_BIT = [8 * ((j % 8) // 2) + 2 * (2 * (j // 8) + j % 2) for j in range(16)]
 
 
 @dataclass(frozen=True)
@@ -51,16 +63,22 @@ class GroupFormat:
     super_group: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"code width must be 4 or 8 bits, got {self.bits}")
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"code width must be 4, 6 or 8 bits, got {self.bits}")
         if self.group_size not in (16, 32):
             raise ValueError(f"group size must be 16 or 32, got {self.group_size}")
-        two_level_ok = self.super_group in _SUPER_GROUPS and self.asymmetric and self.bits == 4
-        if self.super_group and not two_level_ok:
-            raise ValueError(
-                f"two-level formats are 4-bit, asymmetric, with super-groups of {_SUPER_GROUPS}; "
-                f"got {self.name}"
-            )
+        kind = (self.bits, self.group_size, self.asymmetric)
+        if self.super_group and (self.super_group not in _SUPER_GROUPS or kind not in _TWO_LEVEL):
+            raise ValueError(f"two-level formats are q4g32as256 and q6g16s256; got {self.name}")
+        if self.bits == 6 and not self.super_group:
+            raise ValueError("6-bit codes exist only in the two-level format q6g16s256")
+
+    @property
+    def group_type(self) -> type:
+        """The numpy type of the stored group scales (and offsets)."""
+        if self.super_group:
+            return _TWO_LEVEL[(self.bits, self.group_size, self.asymmetric)]
+        return np.float32
 
     @property
     def name(self) -> str:
@@ -69,17 +87,14 @@ class GroupFormat:
 
     @property
     def one_level(self) -> GroupFormat:
-        """The format with the same per-group scale and offset held as float32."""
-        return GroupFormat(self.bits, self.group_size, self.asymmetric)
+        """The format with the same per-group scale and offset held as float32 (6-bit codes
+        widened to 8)."""
+        return GroupFormat(8 if self.bits == 6 else self.bits, self.group_size, self.asymmetric)
 
     @property
     def zero(self) -> int:
         """The code that decodes to zero in a symmetric format (0 when offsets do that job)."""
         return 0 if self.asymmetric else 1 << (self.bits - 1)
-
-    @property
-    def codes_per_word(self) -> int:
-        return 32 // self.bits
 
     @classmethod
     def parse(cls, name: str) -> GroupFormat:
@@ -107,7 +122,7 @@ class GroupFormat:
         if len(set(formats)) == 1:
             return formats[0]
         return cls(
-            max(f.bits for f in formats),
+            max(f.one_level.bits for f in formats),
             min(f.group_size for f in formats),
             any(f.asymmetric for f in formats),
         )
@@ -121,7 +136,7 @@ def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
 
 
 def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
-    multiple = max(fmt.group_size, fmt.codes_per_word, fmt.super_group)  # powers of two
+    multiple = max(fmt.group_size, 32 // fmt.bits, fmt.super_group)  # powers of two
     _check_width(shape, multiple, f"{multiple} for {fmt.name}")
 
 
@@ -129,8 +144,9 @@ def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
 class QuantizedTensor:
     """A [N, K] weight in ``fmt``: packed ``codes`` uint32 [N, K*bits/32], ``scales`` float32
     [N, K/group_size] and ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None.
-    Two-level: ``scales`` and ``offsets`` are uint8 and ``super_scales`` / ``super_offsets``
-    float32 [N, K/super_group] (None in one-level formats)."""
+    Two-level: ``scales`` and ``offsets`` are small integers (``fmt.group_type``) and
+    ``super_scales`` / ``super_offsets`` (asymmetric only) float32 [N, K/super_group] (None in
+    one-level formats)."""
 
     fmt: GroupFormat
     codes: np.ndarray
@@ -145,13 +161,15 @@ class QuantizedTensor:
         _check_format_width(self.shape, self.fmt)
         n, k = self.shape
         groups = (n, k // self.fmt.group_size)
-        group_type = np.uint8 if self.fmt.super_group else np.float32
+        group_type = self.fmt.group_type
         expected = {"scales": (groups, group_type)}
         if self.fmt.asymmetric:
             expected["offsets"] = (groups, group_type)
         if self.fmt.super_group:
             supers = (n, k // self.fmt.super_group)
-            expected["super_scales"] = expected["super_offsets"] = (supers, np.float32)
+            expected["super_scales"] = (supers, np.float32)
+            if self.fmt.asymmetric:
+                expected["super_offsets"] = (supers, np.float32)
         given = self.arrays()
         del given["codes"]
         if set(given) != set(expected):
@@ -168,7 +186,7 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.codes.shape[0], self.codes.shape[1] * self.fmt.codes_per_word)
+        return (self.codes.shape[0], self.codes.shape[1] * 32 // self.fmt.bits)
 
     @property
     def nbytes(self) -> int:
@@ -180,18 +198,39 @@ class QuantizedTensor:
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
+def _nibble_bytes(codes: np.ndarray) -> np.ndarray:
+    """Codes below 16 [..., 2j] -> bytes [..., j]: even k in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Inverse of ``_nibble_bytes``."""
+    codes = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=np.uint8)
+    codes[..., 0::2] = packed & np.uint8(0x0F)
+    codes[..., 1::2] = packed >> np.uint8(4)
+    return codes
+
+
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack codes [N, K] (0 <= c < 2**bits) into uint32 words [N, K*bits/32], little-endian
-    along k: code k sits in word k // (32/bits) at bit (k % (32/bits)) * bits."""
+    along k: code k sits in word k // (32/bits) at bit (k % (32/bits)) * bits; 6-bit codes
+    per 16 in 3 words (the module docstring)."""
     codes = np.asarray(codes)
-    if bits not in (4, 8):
-        raise ValueError(f"code width must be 4 or 8 bits, got {bits}")
-    _check_width(codes.shape, 32 // bits, f"{32 // bits} codes per word")
+    if bits not in (4, 6, 8):
+        raise ValueError(f"code width must be 4, 6 or 8 bits, got {bits}")
+    per_block = 16 if bits == 6 else 32 // bits
+    _check_width(codes.shape, per_block, f"{per_block} codes")
     if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits}-bit packing")
     packed = codes.astype(np.uint8)
     if bits == 4:
-        packed = packed[:, 0::2] | (packed[:, 1::2] << np.uint8(4))
+        packed = _nibble_bytes(packed)
+    elif bits == 6:
+        groups = packed.reshape(len(packed), -1, 16)
+        highs = (groups >> np.uint8(4)).astype(np.uint32) << np.array(_HIGH_BIT, np.uint32)
+        high_word = np.bitwise_or.reduce(highs, axis=-1).astype("<u4")[..., None]
+        low = _nibble_bytes(groups & np.uint8(0x0F))
+        packed = np.concatenate([low, high_word.view(np.uint8)], axis=-1).reshape(len(packed), -1)
     # Bytes in little-endian order within a word are exactly the layout above.
     return np.ascontiguousarray(packed).view("<u4").astype(np.uint32, copy=False)
 
@@ -202,12 +241,15 @@ def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
     packed = words.astype("<u4", copy=False).view(np.uint8)
     if bits == 8:
         return packed.copy()
-    if bits != 4:
-        raise ValueError(f"code width must be 4 or 8 bits, got {bits}")
-    codes = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)
-    codes[:, 0::2] = packed & np.uint8(0x0F)
-    codes[:, 1::2] = packed >> np.uint8(4)
-    return codes
+    if bits == 4:
+        return _nibbles(packed)
+    if bits != 6:
+        raise ValueError(f"code width must be 4, 6 or 8 bits, got {bits}")
+    groups = packed.reshape(len(packed), -1, 12)
+    high_word = groups[..., 8:].copy().view("<u4").astype(np.uint32)
+    highs = (high_word >> np.array(_HIGH_BIT, np.uint32)) & np.uint32(3)
+    codes = _nibbles(groups[..., :8]) | (highs.astype(np.uint8) << np.uint8(4))
+    return codes.reshape(len(packed), -1)
 
 
 def flatten(qt: QuantizedTensor) -> QuantizedTensor:
@@ -221,11 +263,16 @@ def flatten(qt: QuantizedTensor) -> QuantizedTensor:
     def multiplied(supers: np.ndarray, small: np.ndarray) -> np.ndarray:
         return np.repeat(supers, ratio, axis=1) * small.astype(np.float32)
 
+    flat = fmt.one_level
+    codes = qt.codes
+    if flat.bits != fmt.bits:  # symmetric: c - zero is kept
+        signed = unpack_codes(codes, fmt.bits).astype(np.int16) - np.int16(fmt.zero)
+        codes = pack_codes((signed + np.int16(flat.zero)).astype(np.uint8), flat.bits)
     return QuantizedTensor(
-        fmt.one_level,
-        qt.codes,
+        flat,
+        codes,
         multiplied(qt.super_scales, qt.scales),
-        multiplied(qt.super_offsets, qt.offsets),
+        None if qt.offsets is None else multiplied(qt.super_offsets, qt.offsets),
     )
 
 

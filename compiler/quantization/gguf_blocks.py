@@ -4,8 +4,9 @@ Each supported block type is a sum of groups of 32 (16 for Q6_K) weights that sh
 for the ``_1`` and ``_K`` types, a minimum. K-type super-blocks carry 6- or 8-bit sub-scales;
 multiplied out (``d * sc``, ``-(dmin * m)``) they are the per-group scale and offset, computed
 with the same float32 operations as ``gguf.quants``, so ``dequantize(from_gguf(...))`` equals
-``gguf.quants.dequantize(...)`` value for value. Q4_K keeps them as stored instead, in the
-two-level format (sc and m as uint8 under d and -dmin), which decodes to the same values.
+``gguf.quants.dequantize(...)`` value for value. Q4_K and Q6_K keep them as stored instead,
+in the two-level formats (Q4_K: sc and m as uint8 under d and -dmin; Q6_K: 6-bit codes, int8
+sc under d), which decode to the same values.
 Block layouts follow ``gguf/quants.py``.
 """
 
@@ -112,9 +113,9 @@ def _q6_k(blocks: np.ndarray) -> _Decoded:
     low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts).reshape(n, 8, 32) & np.uint8(3)
-    codes = (low | (high << np.uint8(4))) + np.uint8(128 - 32)
-    scales = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
-    return _scaled(codes.reshape(n, 256), scales)
+    codes = low | (high << np.uint8(4))  # q + 32: the format's zero is 32
+    sc = blocks[:, 192:208].view(np.int8)
+    return codes.reshape(n, 256), {"scales": sc, "super_scales": _f16(blocks, 208)}
 
 
 _DECODERS: dict[GGMLQuantizationType, tuple[GroupFormat, Callable[[np.ndarray], _Decoded]]] = {
@@ -125,7 +126,7 @@ _DECODERS: dict[GGMLQuantizationType, tuple[GroupFormat, Callable[[np.ndarray], 
     T.Q5_0: (GroupFormat(8, 32), _q5_0),
     T.Q5_1: (GroupFormat(8, 32, asymmetric=True), _q5_1),
     T.Q5_K: (GroupFormat(8, 32, asymmetric=True), _q5_k),
-    T.Q6_K: (GroupFormat(8, 16), _q6_k),
+    T.Q6_K: (GroupFormat(6, 16, super_group=256), _q6_k),
 }
 _FLOATS = (T.F32, T.F16, T.BF16)
 SUPPORTED_TYPES = (*_DECODERS, *_FLOATS)
