@@ -97,7 +97,7 @@ def compile_model(
         source.stored_formats,
         quantization,
         float_panels=target == "llvm",
-        two_level=activations == "int8",
+        int8_formats=activations == "int8",
     )
     if activations == "int8" and not any(how.fmt for how in plan.values()):
         raise CompileError(

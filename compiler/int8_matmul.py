@@ -57,7 +57,7 @@ from mlc_spec.runtime.artifact import ACTIVATIONS
 from .errors import CompileError
 
 _NIBBLES = 0x0F0F0F0F
-_HIGHS = 0x03030303
+_LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
 # vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
 _INT16_SUMS = 8
@@ -92,11 +92,12 @@ class IntegerDot:
         activation in the group, weight). 4-bit words give low nibbles (even k) and high
         nibbles (odd k, 4 bytes on in the interleaved activations). 8-bit words on the
         vpmaddubsw path give their nibbles, weighted 1 and 16, so that no int16 pair sum
-        saturates. 6-bit groups (two words of low nibbles and one of highs, see
+        saturates. 5- and 6-bit groups (words of low nibbles, then one of high bits, see
         ``compiler/quantization/formats.py``) add to each nibble part its highs, shifted to
-        bits 4-5 of each byte, or on the vpmaddubsw path give them as parts weighted 16."""
-        if bits == 6:
-            return [part for i in range(4) for part in self._six_bit(words, i)]
+        bit 4 on of each byte, or on the vpmaddubsw path give them as parts weighted 16."""
+        if bits in (5, 6):
+            nibble_words = len(words) - 1
+            return [part for i in range(2 * nibble_words) for part in self._plane(words, i, bits)]
         parts = []
         for w, word in enumerate(words):
             if bits == 8 and self.vnni:
@@ -110,19 +111,22 @@ class IntegerDot:
                 parts += [(lo, 4 * w, 1), (hi, 4 * w, 16)]
         return parts
 
-    def _six_bit(self, words: list, i: int) -> list[tuple]:
-        """Part i (even, odd k of the first low word, then of the second) of a 6-bit group."""
+    def _plane(self, words: list, i: int, bits: int) -> list[tuple]:
+        """Part i (even, then odd k of each nibble word) of a 5- or 6-bit group: its highs sit
+        at bits (bits - 4) * i on of each byte of the last word (``formats.high_bit``)."""
+        extra = bits - 4
         low, column = words[i // 2], 8 * (i // 2) + 4 * (i % 2)
         if i % 2:
             low = low >> self._i32_const(4)
         nibbles = low & self._i32_const(_NIBBLES)
+        mask = ((1 << extra) - 1) * _LOW_BITS
         if not self.vnni:
-            highs = (words[2] >> self._i32_const(2 * i)) & self._i32_const(_HIGHS)
+            highs = (words[-1] >> self._i32_const(extra * i)) & self._i32_const(mask)
             return [(T.Bind(nibbles), column, 1), (T.Bind(highs), column, 16)]
-        shift = 4 - 2 * i  # the highs of part i sit at bits 2i, 2i + 1 of each byte
-        highs = words[2] << self._i32_const(shift) if shift > 0 else words[2]
+        shift = 4 - extra * i
+        highs = words[-1] << self._i32_const(shift) if shift > 0 else words[-1]
         highs = highs >> self._i32_const(-shift) if shift < 0 else highs
-        return [(T.Bind(nibbles | (highs & self._i32_const(_HIGHS << 4))), column, 1)]
+        return [(T.Bind(nibbles | (highs & self._i32_const(mask << 4))), column, 1)]
 
     def accumulate(self, start, parts: list[tuple]):
         """``start`` (int32 lanes) plus the exact int32 sum of weight x dot(codes, x) over
@@ -228,7 +232,7 @@ class Int8Matmul:
         rows = op.reshape(x, (-1, k))
         m, groups = rows.shape[0], k // fmt.group_size
         xq, xs, xsum = op.tensor_ir_op(
-            quantize_func(k, fmt.group_size, interleave=fmt.bits in (4, 6), zero=fmt.zero),
+            quantize_func(k, fmt.group_size, interleave=fmt.bits != 8, zero=fmt.zero),
             f"{name}_quantize_x",
             [rows],
             [

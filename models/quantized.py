@@ -88,13 +88,17 @@ def _bits(word, shift, width: int):
 
 
 def _code_at(fmt: GroupFormat, codes: te.Tensor, p, col, r):
-    """The code of column ``col`` at (panel p, row r of it), as ``pack_codes`` stores it."""
-    if fmt.bits != 6:
+    """The code of column ``col`` at (panel p, row r of it), as ``pack_codes`` stores it: 5-
+    and 6-bit codes in blocks of nibble words and a word of their high bits."""
+    if fmt.bits in (4, 8):
         per_word = 32 // fmt.bits
         return _bits(codes[p, col // per_word, r], (col % per_word) * fmt.bits, fmt.bits)
-    first, j = col // 16 * 3, col % 16
+    extra = fmt.bits - 4
+    block = 32 // extra
+    first, j = col // block * (block // 8 + 1), col % block
     low = _bits(codes[p, first + j // 8, r], (j % 8) * 4, 4)
-    high = _bits(codes[p, first + 2, r], (j % 8) // 2 * 8 + (j // 8 * 2 + j % 2) * 2, 2)
+    high_at = (j % 8) // 2 * 8 + (j // 8 * 2 + j % 2) * extra  # formats.high_bit
+    high = _bits(codes[p, first + block // 8, r], high_at, extra)
     return low | (high << tirx.const(4, "uint32"))
 
 
@@ -163,7 +167,7 @@ class QuantizedWeight(nn.Module):
             self.panels = nn.Parameter((n // panel, k, panel), "float32")
             return
         # Codes per block of whole words: the float schedule decodes a block per inner loop.
-        self.codes_per_word = 16 if fmt.bits == 6 else 32 // fmt.bits
+        self.codes_per_word = 32 // fmt.bits if fmt.bits in (4, 8) else 32 // (fmt.bits - 4)
         block = max(fmt.group_size, fmt.super_group, self.codes_per_word)
         if k % block:
             raise ValueError(f"{k} columns are not a multiple of the {fmt.name} block {block}")

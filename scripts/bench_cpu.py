@@ -13,6 +13,7 @@ its compute floor: K rows cost K x (weight parameters) FMAs at this CPU's peak F
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import gguf as gguf_py
+import numpy as np
 import torch
 import transformers
 from benchdoc import machine_context, section_name, usable_cores, write_section
@@ -176,16 +178,33 @@ class ComputeFloor:
         return rows * self.parameters / self.fma_per_s * 1e3
 
 
-def matmul_parameters(path: Path) -> int:
-    """Weights that every token multiplies: all 2-D tensors, less the embedding table when an
-    untied ``output.weight`` is the LM head (then the table is only looked up)."""
+def _multiplied(path: Path) -> list:
+    """The GGUF's tensors that every token multiplies: all 2-D ones, less the embedding table
+    when an untied ``output.weight`` is the LM head (then the table is only looked up)."""
     tensors = gguf_py.GGUFReader(path).tensors
     untied = any(t.name == "output.weight" for t in tensors)
-    return sum(
-        int(t.n_elements)
-        for t in tensors
-        if len(t.shape) == 2 and not (untied and t.name == "token_embd.weight")
+    return [
+        t for t in tensors if len(t.shape) == 2 and not (untied and t.name == "token_embd.weight")
+    ]
+
+
+def matmul_parameters(path: Path) -> int:
+    return sum(int(t.n_elements) for t in _multiplied(path))
+
+
+def decode_bytes(gguf: Path, artifact: Path) -> tuple[int, int]:
+    """Weight bytes a decode step reads: (mlc-spec's artifact, llama.cpp's file as shipped), the
+    looked-up embedding table left out where an untied LM head exists. Decode of a quantized
+    model is bound by reading them, so bytes / decode time is the bandwidth each one reaches."""
+    config = json.loads((artifact / "mlc-spec-config.json").read_text())
+    params = config["params"]
+    untied = any(p["weight"] == "lm_head.weight" for p in params)
+    ours = sum(
+        int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize
+        for p in params
+        if not (untied and p["weight"] == "model.embed_tokens.weight")
     )
+    return ours, sum(int(t.n_bytes) for t in _multiplied(gguf))
 
 
 def lscpu_fields() -> dict[str, str]:
@@ -241,10 +260,15 @@ def report(
     activations: str,
     sides: list[Side],
     floor: ComputeFloor,
+    weight_bytes: tuple[int, int],
     context: list[str],
 ) -> str:
     """The markdown section: how it was measured, the table, and whether the goals are met."""
     ours, llama = sides[0].figures, sides[1].figures
+    streamed = " | ".join(
+        f"{size / 1e9:.2f} GB, {size / f.decode_ms / 1e6:.1f} GB/s"
+        for size, f in zip(weight_bytes, (ours, llama), strict=True)
+    )
 
     def cells(value: Callable[[Figures], float], fmt: str) -> str:
         return " | ".join(fmt.format(value(s.figures)) for s in sides)
@@ -255,6 +279,8 @@ def report(
         f"| decode ms/token (context {PROMPT_LEN}..{PROMPT_LEN + DECODE_STEPS}) "
         f"| {cells(lambda f: f.decode_ms, '{:.2f}')} | {llama.decode_ms / ours.decode_ms:.2f}x |",
         f"| decode tokens/s | {cells(lambda f: 1e3 / f.decode_ms, '{:.1f}')} | |",
+        f"| weights read per decode step, and per second | {streamed} | – | "
+        f"{weight_bytes[1] / weight_bytes[0]:.2f}x the bytes |",
         f"| prefill tokens/s ({PROMPT_LEN}-token prompt) "
         f"| {cells(lambda f: PROMPT_LEN * 1e3 / f.prefill_ms, '{:.1f}')} "
         f"| {llama.prefill_ms / ours.prefill_ms:.2f}x |",
@@ -289,7 +315,9 @@ def report(
                 "rounds after a warm-up round; llama.cpp's are medians of llama-bench's "
                 "samples over as many repetitions, run just before. Compute floor: "
                 f"{floor.assumption}; K rows cost K x that many multiply-adds (attention "
-                "ignored). Peak "
+                "ignored). Weights read per decode step: the stored bytes of every matrix a "
+                "token multiplies (the embedding table only where it is the tied LM head); "
+                "decode of quantized weights is bound by reading them. Peak "
                 "RSS: a child process loading the model and generating (mlc-spec), llama-bench's "
                 "child; transformers shares the benchmark process and has none.",
                 width=100,
@@ -403,6 +431,7 @@ def main() -> None:
         our_rss = engine_peak_rss(artifact, prompt_len=PROMPT_LEN)
         model = Model(artifact)  # holds all it needs, so the temporary artifact may go
         ids = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode(TEXT * 8).ids
+        weight_bytes = decode_bytes(gguf, artifact)
     prompt, continuation = ids[:PROMPT_LEN], ids[PROMPT_LEN : PROMPT_LEN + DECODE_STEPS]
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -428,7 +457,9 @@ def main() -> None:
         Side("transformers (float32)", eager, None),
     ]
     floor = compute_floor(matmul_parameters(gguf), args.threads, args.activations)
-    section = report(label, args.quantization, args.activations, sides, floor, context)
+    section = report(
+        label, args.quantization, args.activations, sides, floor, weight_bytes, context
+    )
     print(section)
     if args.write:
         base = f"bench_cpu-{args.model}-{args.quantization}"

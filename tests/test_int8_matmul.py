@@ -16,22 +16,29 @@ from mlc_spec.compiler.pipeline import relax_pipeline
 from mlc_spec.compiler.quantization import (
     GroupFormat,
     QuantizedTensor,
-    flatten,
     pack_codes,
+    to_portable,
     unpack_codes,
 )
 from mlc_spec.compiler.targets import make_target, vector_features
 from mlc_spec.models.quantized import QuantizedLinear, to_panels
 
 N, K = 128, 512  # two panels of 64 rows; 16 groups of 32, 2 super-groups of 256
-TWO_LEVEL = [GroupFormat(4, 32, True, 256), GroupFormat(6, 16, super_group=256)]
+# The formats only this kernel reads, each beside its portable one.
+INT8_ONLY = [
+    GroupFormat(4, 32, True, 256),
+    GroupFormat(6, 16, super_group=256),
+    GroupFormat(5, 32),
+    GroupFormat(5, 32, True),
+]
 FORMATS = [
     GroupFormat(4, 32),
     GroupFormat(4, 32, True),
     GroupFormat(8, 32),
+    GroupFormat(8, 32, True),
     GroupFormat(8, 16, True),
     GroupFormat(8, 16),
-    *TWO_LEVEL,
+    *INT8_ONLY,
 ]
 # Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
@@ -50,7 +57,7 @@ def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
 def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
     """x @ W.T with x quantized as the kernel does it: exact integer dots per group, then
     (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
-    w = flatten(w)
+    w = to_portable(w)
     fmt = w.fmt
     q, xs = quantize_rows(x, fmt.group_size)
     n, k = w.shape
@@ -108,10 +115,10 @@ def test_int8_matmul_matches_numpy(cpu):
         pytest.skip(f"this CPU cannot run {cpu} code")
     rng = np.random.default_rng(0)
     weights = [_weight(fmt, rng) for fmt in FORMATS]
-    # Each two-level weight's one-level format holds it flattened: equal outputs, bit for bit.
-    pairs = [(FORMATS.index(f), FORMATS.index(f.one_level)) for f in TWO_LEVEL]
+    # Each weight only this kernel reads, in its portable format: equal outputs, bit for bit.
+    pairs = [(FORMATS.index(f), FORMATS.index(f.portable)) for f in INT8_ONLY]
     for two, one in pairs:
-        weights[one] = flatten(weights[two])
+        weights[one] = to_portable(weights[two])
     mod, _ = _Linears(target).export_tvm(
         spec={"forward": {"x": nn.spec.Tensor(["m", K], "float32")}}
     )
@@ -138,7 +145,7 @@ def test_integer_dot_instructions_are_emitted(cpu, instruction):
     target = make_target("llvm", cpu=cpu)
     if cpu == "native" and "avx512vnni" not in tvm.target.codegen.llvm_get_cpu_features(target):
         pytest.skip("this CPU has no AVX-512 VNNI")
-    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16), *TWO_LEVEL):
+    for fmt in (GroupFormat(4, 32, True), GroupFormat(8, 16), *INT8_ONLY):
         func = matmul_func(integer_dot(target), fmt, N, K, 64).with_attr("global_symbol", "main")
         asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
         assert instruction in asm, fmt.name

@@ -18,13 +18,13 @@ from mlc_spec.compiler.quantization import (
     dequantize,
     dequantize_rows,
     describe,
-    flatten,
     format_of,
     from_gguf,
     pack_codes,
     permute_rows,
     promote,
     quantize_symmetric,
+    to_portable,
     unpack_codes,
 )
 
@@ -34,8 +34,8 @@ EXPECTED_FORMAT = {
     T.Q4_1: "q4g32a",
     T.Q4_K: "q4g32as256",
     T.Q8_0: "q8g32",
-    T.Q5_0: "q8g32",
-    T.Q5_1: "q8g32a",
+    T.Q5_0: "q5g32",
+    T.Q5_1: "q5g32a",
     T.Q5_K: "q8g32a",
     T.Q6_K: "q6g16s256",
 }
@@ -112,23 +112,28 @@ def test_gguf_row_length_must_fit_blocks() -> None:
         from_gguf(np.zeros(144, np.uint8), T.Q4_K, (2, 128))
 
 
-def test_six_bit_pack_layout_and_round_trip() -> None:
-    """Per 16 codes, two words of low nibbles and one of highs (code 8h + 2b + o's high bits at
-    bit 8b + 2(2h + o)), the order the int8 kernel's masks read."""
-    codes = np.random.default_rng(6).integers(0, 64, (3, 32), dtype=np.uint8)
-    words = pack_codes(codes, 6)
-    assert words.shape == (3, 6)
-    group = codes[1, 16:]
-    assert int(words[1, 3]) == sum(int(group[i] & 15) << (4 * i) for i in range(8))
-    assert int(words[1, 4]) == sum(int(group[8 + i] & 15) << (4 * i) for i in range(8))
+@pytest.mark.parametrize("bits", [5, 6])
+def test_plane_pack_layout_and_round_trip(bits: int) -> None:
+    """Per block of 32 / (bits - 4) codes, words of low nibbles, then one of highs (code
+    8w + 2b + o's high bits at bit 8b + (bits - 4)(2w + o)), the order the int8 kernel's masks
+    read."""
+    extra, block = bits - 4, 32 // (bits - 4)
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, (3, 64), dtype=np.uint8)
+    words = pack_codes(codes, bits)
+    per_block = block // 8 + 1
+    assert words.shape == (3, 64 // block * per_block)
+    group, first = codes[1, block:][:block], per_block
+    for w in range(block // 8):
+        nibbles = sum(int(group[8 * w + i] & 15) << (4 * i) for i in range(8))
+        assert int(words[1, first + w]) == nibbles
     high = sum(
-        int(group[8 * h + 2 * b + o] >> 4) << (8 * b + 2 * (2 * h + o))
-        for h in range(2)
+        int(group[8 * w + 2 * b + o] >> 4) << (8 * b + extra * (2 * w + o))
+        for w in range(block // 8)
         for b in range(4)
         for o in range(2)
     )
-    assert int(words[1, 5]) == high
-    np.testing.assert_array_equal(unpack_codes(words, 6), codes)
+    assert int(words[1, first + block // 8]) == high
+    np.testing.assert_array_equal(unpack_codes(words, bits), codes)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -148,20 +153,25 @@ def test_pack_refuses_bad_input() -> None:
         pack_codes(np.zeros((2, 12), np.uint8), 4)
     with pytest.raises(ValueError, match=r"\[0, 15\]"):
         pack_codes(np.full((1, 8), 16), 4)
-    with pytest.raises(ValueError, match="4, 6 or 8 bits"):
+    with pytest.raises(ValueError, match="4, 5, 6 or 8 bits"):
         pack_codes(np.zeros((1, 32), np.uint8), 2)
     with pytest.raises(ValueError, match=r"\[0, 63\]"):
         pack_codes(np.full((1, 16), 64), 6)
 
 
 def test_format_names() -> None:
-    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256", "q6g16s256"):
+    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256", "q6g16s256", "q5g32a"):
         assert GroupFormat.parse(name).name == name
     assert GroupFormat.parse("q4g32").zero == 8 and GroupFormat.parse("q8g16a").zero == 0
     assert GroupFormat.parse("q4g32as256") == GroupFormat(4, 32, True, 256)
     assert GroupFormat.parse("q6g16s256").zero == 32
-    assert GroupFormat.parse("q6g16s256").one_level.name == "q8g16"
-    with pytest.raises(ValueError, match="4, 6 or 8 bits, got 3"):
+    assert GroupFormat.parse("q6g16s256").portable.name == "q8g16"
+    assert GroupFormat.parse("q5g32a").portable.name == "q8g32a"
+    assert GroupFormat.parse("q4g32as256").portable.name == "q4g32a"
+    assert GroupFormat.parse("q5g32").zero == 16
+    with pytest.raises(ValueError, match="5-bit codes come in groups of 32"):
+        GroupFormat.parse("q5g16")
+    with pytest.raises(ValueError, match="4, 5, 6 or 8 bits, got 3"):
         GroupFormat.parse("q3g32")
     for name in ("q4g32s256", "q8g32as256", "q4g32as128", "q6g16as256", "q6g32s256"):
         with pytest.raises(ValueError, match=f"two-level formats .* got {name}"):
@@ -244,7 +254,7 @@ def test_promote_is_exact(source: T) -> None:
 
 
 def test_promote_refuses_narrowing_and_inexact_offsets() -> None:
-    qt = flatten(_gguf_tensor(T.Q6_K, 0))
+    qt = to_portable(_gguf_tensor(T.Q6_K, 0))
     for name in ("q4g16", "q8g32"):
         with pytest.raises(ValueError, match=f"q8g16 as {name}"):
             promote(qt, GroupFormat.parse(name))
@@ -258,7 +268,8 @@ def test_promote_refuses_narrowing_and_inexact_offsets() -> None:
 
 def test_q4_k_keeps_its_integer_scales() -> None:
     """Q4_K loads as GGUF stores it: 6-bit sc and m under d and -dmin per 256, 4.75 bits per
-    weight against the one-level 6; ``flatten`` gives the one-level tensor value for value."""
+    weight against the one-level 6; ``to_portable`` gives the one-level tensor value for
+    value."""
     shape = (4, 512)
     data = _gguf_blocks(T.Q4_K, np.random.default_rng(7), shape)
     qt = from_gguf(data, T.Q4_K, shape)
@@ -269,15 +280,15 @@ def test_q4_k_keeps_its_integer_scales() -> None:
     np.testing.assert_array_equal(qt.super_scales, d)
     np.testing.assert_array_equal(qt.super_offsets, -dmin)
     assert qt.nbytes * 8 == 4.75 * 4 * 512
-    one = flatten(qt)
+    one = to_portable(qt)
     assert one.fmt.name == "q4g32a" and one.nbytes * 8 == 6 * 4 * 512
     np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
-    assert flatten(one) is one
+    assert to_portable(one) is one
 
 
 def test_q6_k_keeps_its_integer_scales() -> None:
     """Q6_K loads as GGUF stores it: 6-bit codes, int8 sc per 16 under d per 256, 6.625 bits
-    per weight against the 10 of q8g16; ``flatten`` gives q8g16 value for value."""
+    per weight against the 10 of q8g16; ``to_portable`` gives q8g16 value for value."""
     shape = (4, 512)
     data = _gguf_blocks(T.Q6_K, np.random.default_rng(8), shape)
     qt = from_gguf(data, T.Q6_K, shape)
@@ -287,7 +298,7 @@ def test_q6_k_keeps_its_integer_scales() -> None:
     np.testing.assert_array_equal(qt.super_scales, d)
     assert qt.offsets is None and qt.super_offsets is None
     assert qt.nbytes * 8 == 6.625 * 4 * 512
-    one = flatten(qt)
+    one = to_portable(qt)
     assert one.fmt.name == "q8g16" and one.nbytes * 8 == 10 * 4 * 512
     np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
 

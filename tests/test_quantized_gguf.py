@@ -67,12 +67,13 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_int8_two_level_equals_multiplied_out(arch, request, tmp_path, monkeypatch):
-    """With int8 activations Q4_K and Q6_K stay two-level and compute bit for bit the logits of
-    the same file compiled with them multiplied out (one-level ``q4g32a`` / 8-bit ``q8g16``, as
-    the float path loads them): every product of the two-level decoding is exact. llama: fused
-    Q4_K gate/up, a Q4_K embedding table that the lookup decodes, a Q6_K LM head and down
-    projection; qwen2: a tied Q6_K table, decoded by the lookup and the LM head alike."""
+def test_gguf_int8_formats_equal_portable(arch, request, tmp_path, monkeypatch):
+    """With int8 activations Q4_K and Q6_K stay two-level and Q5_0 keeps 5-bit codes, and they
+    compute bit for bit the logits of the same file compiled with their portable formats
+    (one-level ``q4g32a``, 8-bit ``q8g16`` / ``q8g32``, as the float path loads them): every
+    product of their decoding is exact. llama: fused Q4_K gate/up, a Q4_K embedding table that
+    the lookup decodes, a Q6_K LM head and down projection, a Q5_0 down projection; qwen2: a
+    tied Q6_K table, decoded by the lookup and the LM head alike."""
     if arch == "llama":
         artifact = request.getfixturevalue("tiny_gguf_int8")
         path = artifact.parent / "tiny.gguf"
@@ -86,23 +87,25 @@ def test_gguf_int8_two_level_equals_multiplied_out(arch, request, tmp_path, monk
     formats = {p["weight"]: p["format"] for p in config["params"]}
     assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "q4g32as256"
     assert formats["model.layers.1.mlp.down_proj.weight"] == "q6g16s256"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "q5g32"
     assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "q8g16a"  # Q4_K q, k; Q6_K v
     table = {"llama": "q4g32as256", "qwen2": "q6g16s256"}[arch]
     assert formats["model.embed_tokens.weight"] == table
     assert formats.get("lm_head.weight", "tied") == {"llama": "q6g16s256", "qwen2": "tied"}[arch]
 
-    def one_level(*args, **kwargs):
-        return plan_quantization(*args, **{**kwargs, "two_level": False})
+    def portable(*args, **kwargs):
+        return plan_quantization(*args, **{**kwargs, "int8_formats": False})
 
-    monkeypatch.setattr(compile_module, "plan_quantization", one_level)
-    multiplied_out = compile_model(
-        path, "llvm", tmp_path / "one-level", show_progress=False, activations="int8"
+    monkeypatch.setattr(compile_module, "plan_quantization", portable)
+    widened = compile_model(
+        path, "llvm", tmp_path / "portable", show_progress=False, activations="int8"
     )
-    config = json.loads((multiplied_out / "mlc-spec-config.json").read_text())
+    config = json.loads((widened / "mlc-spec-config.json").read_text())
     stored = {p["format"] for p in config["params"]}
-    assert {"q4g32a", "q8g16"} <= stored and not {"q4g32as256", "q6g16s256"} & stored
+    assert {"q4g32a", "q8g16", "q8g32"} <= stored
+    assert not {"q4g32as256", "q6g16s256", "q5g32"} & stored
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
-    np.testing.assert_array_equal(_our_logits(artifact, seq), _our_logits(multiplied_out, seq))
+    np.testing.assert_array_equal(_our_logits(artifact, seq), _our_logits(widened, seq))
 
 
 def _logits(hf: torch.nn.Module, seq: np.ndarray) -> np.ndarray:

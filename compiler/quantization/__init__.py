@@ -8,12 +8,12 @@ from .formats import (
     dequantize,
     dequantize_rows,
     describe,
-    flatten,
     pack_codes,
     permute_rows,
     promote,
     quantize_symmetric,
     take_rows,
+    to_portable,
     unpack_codes,
 )
 from .gguf_blocks import SUPPORTED_TYPES, UnsupportedTensorType, format_of, from_gguf
@@ -27,7 +27,6 @@ __all__ = [
     "dequantize",
     "dequantize_rows",
     "describe",
-    "flatten",
     "format_of",
     "from_gguf",
     "pack_codes",
@@ -35,5 +34,6 @@ __all__ = [
     "promote",
     "quantize_symmetric",
     "take_rows",
+    "to_portable",
     "unpack_codes",
 ]

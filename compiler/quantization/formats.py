@@ -21,13 +21,16 @@ with s = k // super_group: 4.75 bits per 4-bit weight instead of 6. GGUF's Q6_K 
 symmetric two-level ``q6g16s256``: 6-bit codes, int8 scales per 16 under one float32 per 256,
 6.625 bits per weight instead of the 10 of ``q8g16``. For GGUF's values (an f16 times an
 integer below 2**8, times a code below 2**6) every product is exact in float32, so the weight
-rounds once, at the sum, however a kernel orders or fuses these multiplications: it is the
-one-level weight of ``flatten``, value for value.
+rounds once, at the sum, however a kernel orders or fuses these multiplications.
 
-6-bit codes exist only there. Each 16 codes of a row take 3 words: two of low nibbles (as
-4-bit codes pack) and one of the 2-bit highs, ordered for the int8 kernel: the high bits of
-code 8h + 2b + o sit at bit 8b + 2(2h + o), so one shift and mask put the highs of the 4 codes
-that one nibble mask extracts (even or odd k of a low word) into byte b of a vector lane.
+5- and 6-bit codes (GGUF's Q5_0/Q5_1 as ``q5g32``/``q5g32a``, Q6_K) are read by the int8
+kernel only; every format has a *portable* one (``GroupFormat.portable``: one level, 4- or
+8-bit codes) that every kernel reads and that ``to_portable`` converts to, value for value.
+Their codes are stored in blocks of 32 / (bits - 4) codes: the low nibbles, packed as 4-bit
+codes, then one word of the high bits, ordered for the int8 kernel: the highs of code
+8w + 2b + o (w-th nibble word, byte b, o = 0 for the low nibble) sit at bit
+8b + (bits - 4)(2w + o), so one shift and mask put the highs of the 4 codes that one nibble
+mask extracts (even or odd k of a word) into byte b of a vector lane.
 """
 
 from __future__ import annotations
@@ -48,8 +51,17 @@ _SUPER_GROUPS = (256,)
 # The two-level formats: (bits, group size, asymmetric) -> the type of their group integers
 # (GGUF's Q4_K, and Q6_K with its signed sub-scales).
 _TWO_LEVEL = {(4, 32, True): np.uint8, (6, 16, False): np.int8}
-# Where the 2-bit high of code j (0..15) of a 6-bit group sits in the group's third word.
-_HIGH_BIT = [8 * ((j % 8) // 2) + 2 * (2 * (j // 8) + j % 2) for j in range(16)]
+
+
+def plane_block(bits: int) -> int:
+    """Codes per block of a 5- or 6-bit code layout: nibble words, then a word of highs."""
+    return 32 // (bits - 4)
+
+
+def high_bit(bits: int, j: int) -> int:
+    """Where the high bits of code j of a 5- or 6-bit block sit in the block's last word."""
+    word, odd, byte = j // 8, j % 2, (j % 8) // 2
+    return 8 * byte + (bits - 4) * (2 * word + odd)
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,8 @@ class GroupFormat:
     super_group: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 6, 8):
-            raise ValueError(f"code width must be 4, 6 or 8 bits, got {self.bits}")
+        if self.bits not in (4, 5, 6, 8):
+            raise ValueError(f"code width must be 4, 5, 6 or 8 bits, got {self.bits}")
         if self.group_size not in (16, 32):
             raise ValueError(f"group size must be 16 or 32, got {self.group_size}")
         kind = (self.bits, self.group_size, self.asymmetric)
@@ -72,6 +84,8 @@ class GroupFormat:
             raise ValueError(f"two-level formats are q4g32as256 and q6g16s256; got {self.name}")
         if self.bits == 6 and not self.super_group:
             raise ValueError("6-bit codes exist only in the two-level format q6g16s256")
+        if self.bits == 5 and self.group_size != 32:
+            raise ValueError(f"5-bit codes come in groups of 32; got {self.name}")
 
     @property
     def group_type(self) -> type:
@@ -86,10 +100,10 @@ class GroupFormat:
         return f"q{self.bits}g{self.group_size}{'a' if self.asymmetric else ''}{two_level}"
 
     @property
-    def one_level(self) -> GroupFormat:
-        """The format with the same per-group scale and offset held as float32 (6-bit codes
-        widened to 8)."""
-        return GroupFormat(8 if self.bits == 6 else self.bits, self.group_size, self.asymmetric)
+    def portable(self) -> GroupFormat:
+        """The format every kernel reads that holds the same values: per-group scales and
+        offsets as float32, 5- and 6-bit codes widened to 8."""
+        return GroupFormat(4 if self.bits == 4 else 8, self.group_size, self.asymmetric)
 
     @property
     def zero(self) -> int:
@@ -107,8 +121,9 @@ class GroupFormat:
 
     def holds(self, other: GroupFormat) -> bool:
         """Whether every tensor of ``other`` re-encodes into this format (see ``promote``): a
-        two-level format holds only itself; a one-level one holds what holds its values."""
-        if self.super_group:
+        format only the int8 kernel reads holds only itself; a portable one holds what holds
+        its values."""
+        if self != self.portable:
             return self == other
         return (
             self.bits >= other.bits
@@ -122,7 +137,7 @@ class GroupFormat:
         if len(set(formats)) == 1:
             return formats[0]
         return cls(
-            max(f.one_level.bits for f in formats),
+            max(f.portable.bits for f in formats),
             min(f.group_size for f in formats),
             any(f.asymmetric for f in formats),
         )
@@ -136,7 +151,7 @@ def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
 
 
 def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
-    multiple = max(fmt.group_size, 32 // fmt.bits, fmt.super_group)  # powers of two
+    multiple = max(fmt.group_size, 32 // fmt.bits, fmt.super_group)
     _check_width(shape, multiple, f"{multiple} for {fmt.name}")
 
 
@@ -213,23 +228,24 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack codes [N, K] (0 <= c < 2**bits) into uint32 words [N, K*bits/32], little-endian
-    along k: code k sits in word k // (32/bits) at bit (k % (32/bits)) * bits; 6-bit codes
-    per 16 in 3 words (the module docstring)."""
+    along k: code k sits in word k // (32/bits) at bit (k % (32/bits)) * bits; 5- and 6-bit
+    codes in blocks of nibble words and a word of highs (the module docstring)."""
     codes = np.asarray(codes)
-    if bits not in (4, 6, 8):
-        raise ValueError(f"code width must be 4, 6 or 8 bits, got {bits}")
-    per_block = 16 if bits == 6 else 32 // bits
-    _check_width(codes.shape, per_block, f"{per_block} codes")
+    if bits not in (4, 5, 6, 8):
+        raise ValueError(f"code width must be 4, 5, 6 or 8 bits, got {bits}")
+    block = 32 // bits if bits in (4, 8) else plane_block(bits)
+    _check_width(codes.shape, block, f"{block} codes")
     if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits}-bit packing")
     packed = codes.astype(np.uint8)
     if bits == 4:
         packed = _nibble_bytes(packed)
-    elif bits == 6:
-        groups = packed.reshape(len(packed), -1, 16)
-        highs = (groups >> np.uint8(4)).astype(np.uint32) << np.array(_HIGH_BIT, np.uint32)
+    elif bits != 8:
+        blocks = packed.reshape(len(packed), -1, block)
+        shifts = np.array([high_bit(bits, j) for j in range(block)], np.uint32)
+        highs = (blocks >> np.uint8(4)).astype(np.uint32) << shifts
         high_word = np.bitwise_or.reduce(highs, axis=-1).astype("<u4")[..., None]
-        low = _nibble_bytes(groups & np.uint8(0x0F))
+        low = _nibble_bytes(blocks & np.uint8(0x0F))
         packed = np.concatenate([low, high_word.view(np.uint8)], axis=-1).reshape(len(packed), -1)
     # Bytes in little-endian order within a word are exactly the layout above.
     return np.ascontiguousarray(packed).view("<u4").astype(np.uint32, copy=False)
@@ -243,42 +259,43 @@ def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
         return packed.copy()
     if bits == 4:
         return _nibbles(packed)
-    if bits != 6:
-        raise ValueError(f"code width must be 4, 6 or 8 bits, got {bits}")
-    groups = packed.reshape(len(packed), -1, 12)
-    high_word = groups[..., 8:].copy().view("<u4").astype(np.uint32)
-    highs = (high_word >> np.array(_HIGH_BIT, np.uint32)) & np.uint32(3)
-    codes = _nibbles(groups[..., :8]) | (highs.astype(np.uint8) << np.uint8(4))
+    if bits not in (5, 6):
+        raise ValueError(f"code width must be 4, 5, 6 or 8 bits, got {bits}")
+    block = plane_block(bits)
+    blocks = packed.reshape(len(packed), -1, block // 2 + 4)
+    high_word = blocks[..., block // 2 :].copy().view("<u4").astype(np.uint32)
+    shifts = np.array([high_bit(bits, j) for j in range(block)], np.uint32)
+    highs = (high_word >> shifts) & np.uint32((1 << (bits - 4)) - 1)
+    codes = _nibbles(blocks[..., : block // 2]) | (highs.astype(np.uint8) << np.uint8(4))
     return codes.reshape(len(packed), -1)
 
 
-def flatten(qt: QuantizedTensor) -> QuantizedTensor:
-    """A two-level tensor in its one-level format: per group, the float32 scale and offset its
-    integers and super-group pair give (the module docstring); a one-level tensor as it is."""
-    fmt = qt.fmt
-    if not fmt.super_group:
+def to_portable(qt: QuantizedTensor) -> QuantizedTensor:
+    """The tensor in its portable format (``GroupFormat.portable``): a two-level one's float32
+    group scale and offset from its integers and super-group pair (the module docstring), 5-
+    and 6-bit codes widened to 8 bits (c - zero kept); a portable one as it is."""
+    fmt, portable = qt.fmt, qt.fmt.portable
+    if fmt == portable:
         return qt
-    ratio = fmt.super_group // fmt.group_size
+    scales, offsets = qt.scales, qt.offsets
+    if fmt.super_group:
+        ratio = fmt.super_group // fmt.group_size
 
-    def multiplied(supers: np.ndarray, small: np.ndarray) -> np.ndarray:
-        return np.repeat(supers, ratio, axis=1) * small.astype(np.float32)
+        def multiplied(supers: np.ndarray, small: np.ndarray) -> np.ndarray:
+            return np.repeat(supers, ratio, axis=1) * small.astype(np.float32)
 
-    flat = fmt.one_level
+        scales = multiplied(qt.super_scales, qt.scales)
+        offsets = None if qt.offsets is None else multiplied(qt.super_offsets, qt.offsets)
     codes = qt.codes
-    if flat.bits != fmt.bits:  # symmetric: c - zero is kept
+    if portable.bits != fmt.bits:
         signed = unpack_codes(codes, fmt.bits).astype(np.int16) - np.int16(fmt.zero)
-        codes = pack_codes((signed + np.int16(flat.zero)).astype(np.uint8), flat.bits)
-    return QuantizedTensor(
-        flat,
-        codes,
-        multiplied(qt.super_scales, qt.scales),
-        None if qt.offsets is None else multiplied(qt.super_offsets, qt.offsets),
-    )
+        codes = pack_codes((signed + np.int16(portable.zero)).astype(np.uint8), portable.bits)
+    return QuantizedTensor(portable, codes, scales, offsets)
 
 
 def dequantize(qt: QuantizedTensor) -> np.ndarray:
     """The float32 [N, K] weights, by the decoding rule in this module's docstring."""
-    qt = flatten(qt)
+    qt = to_portable(qt)
     fmt = qt.fmt
     n, k = qt.shape
     codes = unpack_codes(qt.codes, fmt.bits).reshape(n, k // fmt.group_size, fmt.group_size)
@@ -366,7 +383,7 @@ def promote(qt: QuantizedTensor, fmt: GroupFormat) -> QuantizedTensor:
     rounds once, like scale * (c - zero), iff every scale * c' is exact. That holds for every GGUF
     type (scales are an f16 times an integer below 2**8, codes c' below 2**6 for Q6_K); where it
     does not (full-precision scales with wide codes) this raises ValueError instead of changing
-    values. A two-level tensor goes into a one-level format through ``flatten``.
+    values. A tensor in a format only the int8 kernel reads goes through ``to_portable``.
     """
     src = qt.fmt
     if not fmt.holds(src):
@@ -376,7 +393,7 @@ def promote(qt: QuantizedTensor, fmt: GroupFormat) -> QuantizedTensor:
         )
     if fmt == src:
         return qt
-    qt = flatten(qt)
+    qt = to_portable(qt)
     src = qt.fmt
     if fmt == src:
         return qt

@@ -6,7 +6,7 @@ multiplied out (``d * sc``, ``-(dmin * m)``) they are the per-group scale and of
 with the same float32 operations as ``gguf.quants``, so ``dequantize(from_gguf(...))`` equals
 ``gguf.quants.dequantize(...)`` value for value. Q4_K and Q6_K keep them as stored instead,
 in the two-level formats (Q4_K: sc and m as uint8 under d and -dmin; Q6_K: 6-bit codes, int8
-sc under d), which decode to the same values.
+sc under d), which decode to the same values; Q5_0 and Q5_1 keep their 5-bit codes.
 Block layouts follow ``gguf/quants.py``.
 """
 
@@ -64,8 +64,7 @@ def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks: np.ndarray) -> _Decoded:
-    codes = _five_bit(blocks[:, 2:6], blocks[:, 6:]) + np.uint8(128 - 16)
-    return _scaled(codes, _f16(blocks, 0))
+    return _scaled(_five_bit(blocks[:, 2:6], blocks[:, 6:]), _f16(blocks, 0))  # zero 16
 
 
 def _q5_1(blocks: np.ndarray) -> _Decoded:
@@ -123,8 +122,8 @@ _DECODERS: dict[GGMLQuantizationType, tuple[GroupFormat, Callable[[np.ndarray], 
     T.Q4_1: (GroupFormat(4, 32, asymmetric=True), _q4_1),
     T.Q4_K: (GroupFormat(4, 32, asymmetric=True, super_group=256), _q4_k),
     T.Q8_0: (GroupFormat(8, 32), _q8_0),
-    T.Q5_0: (GroupFormat(8, 32), _q5_0),
-    T.Q5_1: (GroupFormat(8, 32, asymmetric=True), _q5_1),
+    T.Q5_0: (GroupFormat(5, 32), _q5_0),
+    T.Q5_1: (GroupFormat(5, 32, asymmetric=True), _q5_1),
     T.Q5_K: (GroupFormat(8, 32, asymmetric=True), _q5_k),
     T.Q6_K: (GroupFormat(6, 16, super_group=256), _q6_k),
 }

@@ -31,14 +31,15 @@ def plan_quantization(
     stored_formats: Mapping[str, GroupFormat | None],
     quantization: str,
     float_panels: bool = False,
-    two_level: bool = False,
+    int8_formats: bool = False,
 ) -> dict[str, Quantize]:
     """The storage of each linear and embedding weight (``weights``: name -> [N, K]); weights
     left out keep the plain float layout. ``stored_formats`` gives the source tensors' own
     formats by Hugging Face name (empty for a float source). ``float_panels`` puts the float
-    weights in panels too (the CPU kernels want them so). ``two_level`` keeps two-level stored
-    formats (Q4_K) as they are; otherwise they load multiplied out, one-level: the
-    float-activation kernels decode a two-level group scale per weight, not per group, and
+    weights in panels too (the CPU kernels want them so). ``int8_formats`` keeps the stored
+    formats that only the int8-activation kernel reads (two-level Q4_K and Q6_K, 5-bit Q5_0 and
+    Q5_1) as they are; otherwise they load in their portable format (``GroupFormat.portable``):
+    the float-activation kernels decode a two-level group scale per weight, not per group, and
     decoded Qwen2.5-1.5B 1.24x slower (docs/quantization.md)."""
     if quantization not in QUANTIZATIONS:
         raise CompileError(
@@ -52,7 +53,7 @@ def plan_quantization(
             formats = [stored_formats.get(src) for src in hf_sources(weight)]
             if all(f is not None for f in formats):
                 fmt = GroupFormat.common(formats)
-                plan[weight] = Quantize(fmt if two_level else fmt.one_level, as_stored=True)
+                plan[weight] = Quantize(fmt if int8_formats else fmt.portable, as_stored=True)
         return plan
     quantized = sorted(n for n, f in stored_formats.items() if f is not None)
     if quantized:
