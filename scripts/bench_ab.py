@@ -26,7 +26,7 @@ from bench_cpu import (
     lscpu_fields,
     measure,
 )
-from benchdoc import usable_cores
+from benchdoc import start_load, usable_cores
 from tokenizers import Tokenizer
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     from mlc_spec.runtime.model import Model
 
-    load = os.getloadavg()[0]
+    load = start_load()
     models = [Model(path) for path in (args.a, args.b)]
     ids = Tokenizer.from_file(str(args.a / "tokenizer.json")).encode(TEXT * 8).ids
     prompt, continuation = ids[:PROMPT_LEN], ids[PROMPT_LEN : PROMPT_LEN + DECODE_STEPS]
@@ -58,7 +58,10 @@ def main() -> None:
     cpu = lscpu_fields()
     print(f"- A: {args.a}\n- B: {args.b}")
     print(f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    print(f"- Machine: {cpu.get('Model name')}, {args.threads} threads; load {load:.2f} at start")
+    print(
+        f"- Machine: {cpu.get('Model name')}, {args.threads} threads; at start "
+        f"{load.busy_cores:.2f} cores busy with other work (load average {load.load_average:.2f})"
+    )
     print(f"- Medians of {args.repeats} alternating rounds (one warm-up round dropped)\n")
     print("| figure | A | B | B / A |\n|---|---:|---:|---:|")
     for name, ms_a, ms_b in rows(a, b):

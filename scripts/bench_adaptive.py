@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from benchdoc import machine_context, section_name, usable_cores, write_section
+from benchdoc import machine_context, section_name, start_load, usable_cores, write_section
 
 THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
@@ -351,7 +351,7 @@ def main() -> None:
         "grid's, e.g. for a few cells re-run with more rounds",
     )
     args = parser.parse_args()
-    load = os.getloadavg()[0]  # before we add our own
+    load = start_load()  # before we add our own
 
     models = load_models(args.model, args.draft_layers, args.activations)
     batch = max(args.concurrency)

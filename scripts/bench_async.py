@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from benchdoc import machine_context, usable_cores, write_section
+from benchdoc import machine_context, start_load, usable_cores, write_section
 
 os.environ["TVM_NUM_THREADS"] = str(usable_cores())
 
@@ -166,7 +166,7 @@ def main() -> None:
         "--write", type=Path, help="replace this run's section (one per set of models) of this file"
     )
     args = parser.parse_args()
-    load_avg = os.getloadavg()[0]
+    load_avg = start_load()
     rows = []
     for setting in args.setting:
         rows += run_setting(setting, args)

@@ -29,7 +29,7 @@ import gguf as gguf_py
 import numpy as np
 import torch
 import transformers
-from benchdoc import machine_context, section_name, usable_cores, write_section
+from benchdoc import machine_context, section_name, start_load, usable_cores, write_section
 from llamacpp import BenchFigures, bench, describe_build
 from peak_rss import engine_peak_rss, gib
 from tokenizers import Tokenizer
@@ -393,7 +393,7 @@ def main() -> None:
     )
     parser.add_argument("--write", type=Path, help="replace this run's section of this file")
     args = parser.parse_args()
-    load = os.getloadavg()[0]  # before we add our own
+    load = start_load()  # before we add our own
 
     # TVM sizes its thread pool from the environment, so this must precede importing it.
     os.environ["TVM_NUM_THREADS"] = str(args.threads)

@@ -14,7 +14,6 @@ be flat in the output's length; re-decoding grows with it.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import tokenizers
 import transformers
-from benchdoc import machine_context, write_section
+from benchdoc import machine_context, start_load, write_section
 from workloads import humaneval_prompts, sharegpt_turns
 
 from mlc_spec.compiler.pypi_models import fetch
@@ -107,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="best of this many runs")
     parser.add_argument("--write", type=Path, help="replace this benchmark's section of this file")
     args = parser.parse_args()
-    load = os.getloadavg()[0]  # before we add our own
+    load = start_load()  # before we add our own
 
     cells = []  # (model, tokens per step, stop string, length), tokenizer, outputs
     for model in args.models:

@@ -12,10 +12,9 @@ next-token argmax and the KL divergence of the int8 distribution from the float 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from benchdoc import machine_context, write_section
+from benchdoc import machine_context, start_load, write_section
 
 # --models choice: (name in mlc_spec.compiler.pypi_models, label)
 MODELS = {
@@ -31,7 +30,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--write", type=Path, help="replace this script's section of this file")
     args = parser.parse_args()
-    load = os.getloadavg()[0]
+    load = start_load()
 
     import tvm
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 import transformers
-from benchdoc import machine_context, section_name, usable_cores, write_section
+from benchdoc import machine_context, section_name, start_load, usable_cores, write_section
 
 THREADS = usable_cores()
 # TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
@@ -545,7 +545,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="replace the pair's section of this file")
     parser.add_argument("--plot", type=Path, help="write tokens/s against k to this PNG")
     args = parser.parse_args()
-    load = os.getloadavg()[0]  # before we add our own
+    load = start_load()  # before we add our own
     torch.set_num_threads(THREADS)
 
     pair = PAIRS[args.pair]

@@ -11,10 +11,13 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-# 1-minute load average per usable core, read before a run, above which its figures are flagged.
-BUSY_LOAD_PER_CPU = 0.25
+# Share of the usable cores that other processes kept busy just before a run, above which its
+# figures are flagged.
+BUSY_SHARE = 0.25
 DOC_HEADER = """# Benchmarks
 
 Measured performance of mlc-spec. Each section names the script and command that produced it.
@@ -28,7 +31,33 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def machine_context(load: float, software: str, threads: str) -> list[str]:
+@dataclass(frozen=True)
+class StartLoad:
+    """What ran beside a benchmark as it started: cores kept busy over the last second (this
+    process sleeping), and the 1-minute load average. The flag goes by the first: the load
+    average lags, and stays near 1 for a minute after the previous benchmark ended."""
+
+    busy_cores: float
+    load_average: float
+
+
+def start_load(seconds: float = 1.0) -> StartLoad:
+    """Sample /proc/stat over ``seconds`` while this process sleeps; call it before the run."""
+
+    def busy_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            ticks = [int(t) for t in stat.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle, iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    busy0, total0 = busy_and_total()
+    time.sleep(seconds)
+    busy1, total1 = busy_and_total()
+    share = (busy1 - busy0) / max(total1 - total0, 1)
+    return StartLoad(share * os.cpu_count(), os.getloadavg()[0])
+
+
+def machine_context(load: StartLoad, software: str, threads: str) -> list[str]:
     """Where and how it ran: date, CPU, load, versions, threads, command, and a warning when
     other processes competed for the cores."""
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -37,13 +66,14 @@ def machine_context(load: float, software: str, threads: str) -> list[str]:
     cores = usable_cores()
     lines = [
         f"- Date: {date.strip()}",
-        f"- Machine: `{cpu}` (lscpu model name), {cores} cores, no GPU; 1-minute load average "
-        f"{load:.2f} when the run started",
+        f"- Machine: `{cpu}` (lscpu model name), {cores} cores, no GPU; when the run started, "
+        f"{load.busy_cores:.2f} cores busy with other work over a second (1-minute load average "
+        f"{load.load_average:.2f})",
         f"- Software: Python {platform.python_version()}, {software}",
         f"- Threads: {threads}",
         f"- Command: `{shlex.join(['python', *sys.argv])}`",
     ]
-    if load > BUSY_LOAD_PER_CPU * cores:
+    if load.busy_cores > BUSY_SHARE * cores:
         lines.append(
             "- **Busy machine: other processes competed for the cores, which distorts the "
             "figures and the ratios; re-run on a quiet machine.**"
