@@ -11,10 +11,11 @@ Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
 
 * ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 [M, K/group]
   and per group what the matmul needs of the code sum, ready to use (``quantize_func``). For
-  4-bit weights the codes of every 8 columns are stored even columns first (0, 2, 4, 6, 1, 3,
-  5, 7), the order of a weight word's nibbles: the low nibbles (even k) and the high nibbles
-  (odd k) of 16 output rows, masked out of one vector of code words, each meet 4 consecutive
-  activation bytes broadcast to every lane.
+  4-, 5- and 6-bit weights the codes of every 8 columns are stored even columns first (0, 2,
+  4, 6, 1, 3, 5, 7), the order of a weight word's nibbles: the low nibbles (even k) and the high
+  nibbles (odd k) of 16 output rows, masked out of one vector of code words, each meet 4
+  consecutive activation bytes broadcast to every lane (5- and 6-bit codes get their high bits
+  from a word of their own, ``compiler/quantization/formats.py``).
 * ``int8_matmul`` over the panels of ``models/quantized.py`` (64 output rows, k-major): per
   group, acc = sum((code - zero) * xq) in int32, exactly (the integer dot starts at
   -zero * sum(xq)); then out = fma(acc, scale * xscale, out), and for asymmetric formats
@@ -23,15 +24,15 @@ Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
   kernel serves every m, prefill included: one arithmetic for every row, whatever the batch,
   keeps verified rows bit-identical to decoded ones (greedy speculation stays lossless) and
   gives prefill the cheaper integer arithmetic too. A two-level format's group scale and
-  offset are multiplied from their uint8 integers in the kernel, once per group and vector.
+  offset are multiplied from their small integers in the kernel, once per group and vector.
 
 Each extra row of a verify batch costs its integer dots plus this per-group epilogue, so the
 epilogue is kept to one conversion, one multiply and one or two FMAs per vector: the zero
 point rides in the dot's start value and the offset's factor comes precomputed per row.
 
 ``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so codes must stay below 16 on
-that path: 8-bit codes are split into nibbles, whose dot products ``vpmaddwd`` weights by 1 and
-16.
+that path: 8-bit codes are split into nibbles, 5- and 6-bit ones into their nibble and their
+high bits, whose dot products ``vpmaddwd`` weights by 1 and 16.
 """
 
 from __future__ import annotations
