@@ -287,9 +287,17 @@ def to_portable(qt: QuantizedTensor) -> QuantizedTensor:
         scales = multiplied(qt.super_scales, qt.scales)
         offsets = None if qt.offsets is None else multiplied(qt.super_offsets, qt.offsets)
     codes = qt.codes
-    if portable.bits != fmt.bits:
-        signed = unpack_codes(codes, fmt.bits).astype(np.int16) - np.int16(fmt.zero)
-        codes = pack_codes((signed + np.int16(portable.zero)).astype(np.uint8), portable.bits)
+    if portable.bits != fmt.bits:  # widened a chunk of rows at a time: few-MB temporaries
+
+        def widened(words: np.ndarray) -> np.ndarray:
+            signed = unpack_codes(words, fmt.bits).astype(np.int16) - np.int16(fmt.zero)
+            return pack_codes((signed + np.int16(portable.zero)).astype(np.uint8), portable.bits)
+
+        n, k = qt.shape
+        step = max(1, _CHUNK_ELEMENTS // k)
+        codes = np.empty((n, k * portable.bits // 32), np.uint32)
+        for i in range(0, n, step):
+            codes[i : i + step] = widened(qt.codes[i : i + step])
     return QuantizedTensor(portable, codes, scales, offsets)
 
 
