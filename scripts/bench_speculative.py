@@ -454,15 +454,15 @@ def summary(runs: list[Run]) -> list[str]:
         verdict = "met" if ratio >= 1.3 else "**not met**"
         lines.append(
             f"- Best draft length: {best.label}, {best.tokens_per_s:.2f} tokens/s, "
-            f"{ratio:.2f}x our no-speculation (goal at least 1.3x: {verdict})"
+            f"{ratio:.3f}x our no-speculation (goal at least 1.3x: {verdict})"
         )
     if ours and llama:
         best, ref = (max(rs, key=lambda r: r.tokens_per_s) for rs in (ours, llama))
         ratio = best.tokens_per_s / ref.tokens_per_s
         verdict = "met" if ratio >= 1.2 else "**not met**"
         lines.append(
-            f"- Best llama.cpp config: {ref.label}, {ref.tokens_per_s:.2f} tokens/s; our best "
-            f"is {ratio:.2f}x it (goal at least 1.2x: {verdict})"
+            f"- Best llama.cpp config: {ref.label}, {ref.tokens_per_s:.2f} tokens/s; our best, "
+            f"{best.label}, is {ratio:.3f}x it (goal at least 1.2x: {verdict})"
         )
     if ours and "hf-assisted" in by_name:
         best = max(ours, key=lambda r: r.tokens_per_s)
