@@ -107,7 +107,7 @@ class IntegerDot:
 
     def _plane(self, words: list, i: int, bits: int) -> list[tuple]:
         """Part i (even, then odd k of each nibble word) of a 5- or 6-bit group: its highs sit
-        at bits (bits - 4) * i on of each byte of the last word (``formats.high_bit``)."""
+        at bits (bits - 4) * i on of each byte of the last word (``models.quantized.high_bit``)."""
         extra = bits - 4
         low, column = words[i // 2], 8 * (i // 2) + 4 * (i % 2)
         if i % 2:

@@ -82,6 +82,20 @@ def _group_scale_offset(fmt: GroupFormat, tensors: list[te.Tensor], p, g, r) -> 
     return scale, tensors[-1][p, s, r] * offsets[p, g, r].astype("float32")
 
 
+def codes_per_block(bits: int) -> int:
+    """Codes in the shortest run of whole uint32 words of a ``bits``-bit code layout: one word
+    of 4- or 8-bit codes; for 5- and 6-bit codes, 32 / (bits - 4) of them stored as that many
+    nibbles, then one word of their high bits (``compiler/quantization/formats.py``)."""
+    return 32 // bits if bits in (4, 8) else 32 // (bits - 4)
+
+
+def high_bit(bits: int, j):
+    """Where the high bits of code j (an int, or a TIR expression) of a 5- or 6-bit block sit
+    in the block's last word: code 8w + 2b + o (nibble word w, byte b, o = 1 for a high nibble)
+    at bit 8b + (bits - 4)(2w + o)."""
+    return 8 * ((j % 8) // 2) + (bits - 4) * (2 * (j // 8) + j % 2)
+
+
 def _bits(word, shift, width: int):
     """``width`` bits of a uint32 ``word`` from bit ``shift`` on."""
     return (word >> shift.astype("uint32")) & tirx.const((1 << width) - 1, "uint32")
@@ -90,15 +104,12 @@ def _bits(word, shift, width: int):
 def _code_at(fmt: GroupFormat, codes: te.Tensor, p, col, r):
     """The code of column ``col`` at (panel p, row r of it), as ``pack_codes`` stores it: 5-
     and 6-bit codes in blocks of nibble words and a word of their high bits."""
+    block = codes_per_block(fmt.bits)
     if fmt.bits in (4, 8):
-        per_word = 32 // fmt.bits
-        return _bits(codes[p, col // per_word, r], (col % per_word) * fmt.bits, fmt.bits)
-    extra = fmt.bits - 4
-    block = 32 // extra
+        return _bits(codes[p, col // block, r], (col % block) * fmt.bits, fmt.bits)
     first, j = col // block * (block // 8 + 1), col % block
     low = _bits(codes[p, first + j // 8, r], (j % 8) * 4, 4)
-    high_at = (j % 8) // 2 * 8 + (j // 8 * 2 + j % 2) * extra  # formats.high_bit
-    high = _bits(codes[p, first + block // 8, r], high_at, extra)
+    high = _bits(codes[p, first + block // 8, r], high_bit(fmt.bits, j), fmt.bits - 4)
     return low | (high << tirx.const(4, "uint32"))
 
 
@@ -167,7 +178,7 @@ class QuantizedWeight(nn.Module):
             self.panels = nn.Parameter((n // panel, k, panel), "float32")
             return
         # Codes per block of whole words: the float schedule decodes a block per inner loop.
-        self.codes_per_word = 32 // fmt.bits if fmt.bits in (4, 8) else 32 // (fmt.bits - 4)
+        self.codes_per_word = codes_per_block(fmt.bits)
         block = max(fmt.group_size, fmt.super_group, self.codes_per_word)
         if k % block:
             raise ValueError(f"{k} columns are not a multiple of the {fmt.name} block {block}")

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlc_spec.models.quantized import codes_per_block, high_bit
+
 # Rows per chunk when quantizing, so temporaries stay a few MB whatever the matrix size.
 _CHUNK_ELEMENTS = 1 << 22
 _FLOAT32_SIGNIFICAND_BITS = 24
@@ -51,17 +53,6 @@ _SUPER_GROUPS = (256,)
 # The two-level formats: (bits, group size, asymmetric) -> the type of their group integers
 # (GGUF's Q4_K, and Q6_K with its signed sub-scales).
 _TWO_LEVEL = {(4, 32, True): np.uint8, (6, 16, False): np.int8}
-
-
-def plane_block(bits: int) -> int:
-    """Codes per block of a 5- or 6-bit code layout: nibble words, then a word of highs."""
-    return 32 // (bits - 4)
-
-
-def high_bit(bits: int, j: int) -> int:
-    """Where the high bits of code j of a 5- or 6-bit block sit in the block's last word."""
-    word, odd, byte = j // 8, j % 2, (j % 8) // 2
-    return 8 * byte + (bits - 4) * (2 * word + odd)
 
 
 @dataclass(frozen=True)
@@ -151,7 +142,7 @@ def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
 
 
 def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
-    multiple = max(fmt.group_size, 32 // fmt.bits, fmt.super_group)
+    multiple = max(fmt.group_size, codes_per_block(fmt.bits), fmt.super_group)
     _check_width(shape, multiple, f"{multiple} for {fmt.name}")
 
 
@@ -233,7 +224,7 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     codes = np.asarray(codes)
     if bits not in (4, 5, 6, 8):
         raise ValueError(f"code width must be 4, 5, 6 or 8 bits, got {bits}")
-    block = 32 // bits if bits in (4, 8) else plane_block(bits)
+    block = codes_per_block(bits)
     _check_width(codes.shape, block, f"{block} codes")
     if codes.size and (codes.min() < 0 or codes.max() >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits}-bit packing")
@@ -261,7 +252,7 @@ def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
         return _nibbles(packed)
     if bits not in (5, 6):
         raise ValueError(f"code width must be 4, 5, 6 or 8 bits, got {bits}")
-    block = plane_block(bits)
+    block = codes_per_block(bits)
     blocks = packed.reshape(len(packed), -1, block // 2 + 4)
     high_word = blocks[..., block // 2 :].copy().view("<u4").astype(np.uint32)
     shifts = np.array([high_bit(bits, j) for j in range(block)], np.uint32)
