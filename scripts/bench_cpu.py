@@ -13,7 +13,6 @@ its compute floor: K rows cost K x (weight parameters) FMAs at this CPU's peak F
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -196,13 +195,14 @@ def decode_bytes(gguf: Path, artifact: Path) -> tuple[int, int]:
     """Weight bytes a decode step reads: (mlc-spec's artifact, llama.cpp's file as shipped), the
     looked-up embedding table left out where an untied LM head exists. Decode of a quantized
     model is bound by reading them, so bytes / decode time is the bandwidth each one reaches."""
-    config = json.loads((artifact / "mlc-spec-config.json").read_text())
-    params = config["params"]
-    untied = any(p["weight"] == "lm_head.weight" for p in params)
+    from mlc_spec.runtime.artifact import NUMPY_DTYPES, read_config
+
+    params = read_config(artifact)["params"]
+    untied = any(p.weight == "lm_head.weight" for p in params)
     ours = sum(
-        int(np.prod(p["shape"])) * np.dtype(p["dtype"]).itemsize
+        int(np.prod(p.shape)) * np.dtype(NUMPY_DTYPES[p.dtype]).itemsize
         for p in params
-        if not (untied and p["weight"] == "model.embed_tokens.weight")
+        if not (untied and p.weight == "model.embed_tokens.weight")
     )
     return ours, sum(int(t.n_bytes) for t in _multiplied(gguf))
 
