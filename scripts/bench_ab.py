@@ -4,7 +4,8 @@ a noisy machine.
 Both artifacts run in this process on the same prompt and take turns round by round
 (``bench_cpu.measure``), so the load drift of a shared machine weighs on both alike; separate
 ``bench_cpu`` runs minutes apart spread more than the change being judged. Prints prefill, decode
-and verify-K figures for each artifact, the ratio B / A, the machine and the load.
+and verify-K figures for each artifact, the ratio B / A, and the run's context (date, CPU,
+load, command).
 
     python scripts/bench_ab.py A_ARTIFACT B_ARTIFACT [--threads N] [--repeats 10]
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 from bench_cpu import (
@@ -23,10 +23,9 @@ from bench_cpu import (
     TEXT,
     Compiled,
     Figures,
-    lscpu_fields,
     measure,
 )
-from benchdoc import start_load, usable_cores
+from benchdoc import machine_context, start_load, usable_cores
 from tokenizers import Tokenizer
 
 
@@ -55,13 +54,10 @@ def main() -> None:
     prompt, continuation = ids[:PROMPT_LEN], ids[PROMPT_LEN : PROMPT_LEN + DECODE_STEPS]
     a, b = measure([Compiled(m) for m in models], prompt, continuation, args.repeats)
 
-    cpu = lscpu_fields()
+    import tvm  # already imported, after TVM_NUM_THREADS was set
+
     print(f"- A: {args.a}\n- B: {args.b}")
-    print(f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    print(
-        f"- Machine: {cpu.get('Model name')}, {args.threads} threads; at start "
-        f"{load.busy_cores:.2f} cores busy with other work (load average {load.load_average:.2f})"
-    )
+    print("\n".join(machine_context(load, f"TVM {tvm.__version__}", f"{args.threads} threads")))
     print(f"- Medians of {args.repeats} alternating rounds (one warm-up round dropped)\n")
     print("| figure | A | B | B / A |\n|---|---:|---:|---:|")
     for name, ms_a, ms_b in rows(a, b):
