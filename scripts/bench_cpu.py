@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import textwrap
 import time
@@ -28,7 +27,14 @@ import gguf as gguf_py
 import numpy as np
 import torch
 import transformers
-from benchdoc import machine_context, section_name, start_load, usable_cores, write_section
+from benchdoc import (
+    lscpu_fields,
+    machine_context,
+    section_name,
+    start_load,
+    usable_cores,
+    write_section,
+)
 from llamacpp import BenchFigures, bench, describe_build
 from peak_rss import engine_peak_rss, gib
 from tokenizers import Tokenizer
@@ -205,13 +211,6 @@ def decode_bytes(gguf: Path, artifact: Path) -> tuple[int, int]:
         if not (untied and p.weight == "model.embed_tokens.weight")
     )
     return ours, sum(int(t.n_bytes) for t in _multiplied(gguf))
-
-
-def lscpu_fields() -> dict[str, str]:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    return {
-        k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines.splitlines())
-    }
 
 
 def compute_floor(parameters: int, threads: int, activations: str) -> ComputeFloor:

@@ -14,7 +14,6 @@ be flat in the output's length; re-decoding grows with it.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -88,12 +87,6 @@ def seconds(
     return time.perf_counter() - start
 
 
-def vector_flags() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    flags = next(line.split(":", 1)[1].split() for line in lscpu.splitlines() if "Flags" in line)
-    return " ".join(f for f in flags if f.startswith(("avx", "sse4", "fma", "amx")))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -144,7 +137,6 @@ def main() -> None:
             f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}",
             "1 (Python; each decode is one call into the Rust tokenizer)",
         ),
-        f"- Vector flags (lscpu): {vector_flags()}",
         "",
         "Microseconds of host time per output token, best of "
         f"{args.repeats} runs, all figures from this one run. *Incremental*: the output "

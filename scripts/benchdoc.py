@@ -57,16 +57,25 @@ def start_load(seconds: float = 1.0) -> StartLoad:
     return StartLoad(share * os.cpu_count(), os.getloadavg()[0])
 
 
+def lscpu_fields() -> dict[str, str]:
+    """lscpu's fields by name (``Model name``, ``Flags``, ``BogoMIPS``, ...)."""
+    lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    return {
+        k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines.splitlines())
+    }
+
+
 def machine_context(load: StartLoad, software: str, threads: str) -> list[str]:
-    """Where and how it ran: date, CPU, load, versions, threads, command, and a warning when
-    other processes competed for the cores."""
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if "Model name" in line)
+    """Where and how it ran: date, CPU and its vector extensions, load, versions, threads,
+    command, and a warning when other processes competed for the cores."""
+    cpu = lscpu_fields()
+    vector = [f for f in cpu["Flags"].split() if f.startswith(("avx", "sse4", "fma", "amx"))]
     date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
     cores = usable_cores()
     lines = [
         f"- Date: {date.strip()}",
-        f"- Machine: `{cpu}` (lscpu model name), {cores} cores, no GPU; when the run started, "
+        f"- Machine: `{cpu['Model name']}` (lscpu model name), {cores} cores, no GPU; vector "
+        f"flags {' '.join(vector)}; when the run started, "
         f"{load.busy_cores:.2f} cores busy with other work over a second (1-minute load average "
         f"{load.load_average:.2f})",
         f"- Software: Python {platform.python_version()}, {software}",
