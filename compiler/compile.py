@@ -29,7 +29,7 @@ from .errors import CompileError
 from .int8_matmul import Int8Matmul, check_activations
 from .pipeline import relax_pipeline
 from .progress import Progress
-from .quantization.plan import Quantize, plan_quantization
+from .quantization.plan import Quantize, layer_layouts, plan_quantization
 from .sampler import attach_sampler
 from .sources import ModelSource, load_source
 from .targets import (
@@ -95,6 +95,7 @@ def compile_model(
     plan = plan_quantization(
         quantizable_weights(module),
         source.stored_formats,
+        source.stored_shapes,
         quantization,
         float_panels=target == "llvm",
         int8_formats=activations == "int8",
@@ -106,7 +107,7 @@ def compile_model(
         )
     module = quantize_layers(
         module,
-        {weight: how.fmt for weight, how in plan.items()},
+        layer_layouts(plan),
         Int8Matmul(tvm_target) if activations == "int8" else None,
     )
 

@@ -11,7 +11,7 @@ from mlc_spec.models.quantized import PANEL_SUFFIXES, to_panels
 from mlc_spec.runtime.artifact import NUMPY_DTYPES
 
 from .errors import CompileError
-from .quantization import QuantizedTensor, concat_rows, promote, quantize_symmetric
+from .quantization import QuantizedTensor, concat_rows, quantize_symmetric, to_portable
 from .quantization.plan import Quantize
 from .sources import ModelSource
 
@@ -36,8 +36,10 @@ def convert_parameters(
     used: set[str] = set()
 
     def parts(name: str, tensors: Mapping[str, object]) -> list:
+        """The source tensors of ``name``: a segment's own (``Quantize.sources``), else the
+        Hugging Face parameters fused into it."""
         found = []
-        for src in hf_sources(name):
+        for src in (plan[name].sources if name in plan else ()) or hf_sources(name):
             if src not in tensors:
                 raise CompileError(f"weights do not match the config: tensor {src!r} is missing")
             found.append(tensors[src])
@@ -95,8 +97,7 @@ def _quantized(
         stored = parts(weight, source.stored)
         if not all(isinstance(p, QuantizedTensor) for p in stored):
             raise CompileError(f"{weight}: mixes float and quantized source tensors")
-        qt = concat_rows(stored)
-        return qt if qt.fmt == how.fmt else promote(qt, how.fmt)
+        return concat_rows([p if p.fmt == how.fmt else to_portable(p) for p in stored])
     floats = [np.asarray(p, dtype=np.float32) for p in parts(weight, source.tensors)]
     w = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=0)
     return quantize_symmetric(w, how.fmt.bits, how.fmt.group_size)

@@ -347,15 +347,15 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         )
         if fmt.super_group:
             supers = (panels, k // fmt.super_group, panel)
-            super_scales = T.arg("super_scales", T.buffer(supers, "float32"))
+            super_scales = T.arg("super_scales", T.buffer(supers, "float16"))
             if fmt.asymmetric:
-                super_offsets = T.arg("super_offsets", T.buffer(supers, "float32"))
+                super_offsets = T.arg("super_offsets", T.buffer(supers, "float16"))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
 
         def scale_offset(p, g, lane0) -> tuple:
             """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``:
             loaded, or for a two-level format multiplied from its integers and its
-            super-group's float32 (exact products: the same values as the one-level format's)."""
+            super-group's float16, widened (exact products: the one-level format's values)."""
             if not fmt.super_group:
                 offset = offsets.vload([p, g, lane0], f32) if offsets is not None else None
                 return scales.vload([p, g, lane0], f32), offset
@@ -363,7 +363,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
 
             def times(supers, small):
                 integers = T.Cast(f32, small.vload([p, g, lane0], f"{group_type}x{lanes}"))
-                return supers.vload([p, s, lane0], f32) * integers
+                return T.Cast(f32, supers.vload([p, s, lane0], f"float16x{lanes}")) * integers
 
             if offsets is None:
                 return times(super_scales, scales), None

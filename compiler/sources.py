@@ -87,9 +87,11 @@ class ModelSource:
     chat_template: str | None
     # As stored in the file, for ``--quantization as-source``: GGUF tensors in the group format
     # (or float32 arrays for float types), by Hugging Face name, with each one's format (None:
-    # float). Empty for a Hugging Face directory, whose weights are all float.
+    # float), and its logical shape. Empty for a Hugging Face directory, whose weights are all
+    # float.
     stored: Mapping[str, QuantizedTensor | np.ndarray] = dataclasses.field(default_factory=dict)
     stored_formats: dict[str, GroupFormat | None] = dataclasses.field(default_factory=dict)
+    stored_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def save_tokenizer(self, out_dir: Path) -> None:
         """Write tokenizer.json, tokenizer_config.json (with the chat template inline) and
@@ -326,7 +328,7 @@ def _load_gguf(path: Path) -> ModelSource:
             "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
         }
 
-    loaders, stored, formats = {}, {}, {}
+    loaders, stored, formats, shapes = {}, {}, {}, {}
     for tensor in reader.tensors:
         match = _GGUF_TENSOR_NAME.match(tensor.name)
         names = _GGUF_LAYER_NAMES if match and match[1] is not None else _GGUF_GLOBAL_NAMES
@@ -343,6 +345,7 @@ def _load_gguf(path: Path) -> ModelSource:
         name = f"{prefix}.{suffix}"
         loaders[name] = _gguf_loader(tensor, heads)
         stored[name] = _gguf_stored_loader(path, tensor, heads)
+        shapes[name] = tuple(int(d) for d in reversed(tensor.shape))
         try:
             formats[name] = format_of(tensor.tensor_type)
         except UnsupportedTensorType as err:
@@ -355,6 +358,7 @@ def _load_gguf(path: Path) -> ModelSource:
         chat_template=_gguf_value(reader, path, "tokenizer.chat_template", None),
         stored=LazyTensors(stored),
         stored_formats=formats,
+        stored_shapes=shapes,
     )
 
 

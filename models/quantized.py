@@ -3,7 +3,7 @@ rewrite that installs them.
 
 A quantized weight [N, K] is stored as its integer codes packed into 32-bit words along K,
 one float32 scale per group of ``group_size`` columns and, for asymmetric formats, one float32
-offset per group; or, in a two-level format, both as small integers under a float32 pair per
+offset per group; or, in a two-level format, both as small integers under a float16 pair per
 super-group (``compiler/quantization/formats.py`` defines the formats). The layers
 dequantize inside the kernel that uses the weight: the matmul's TE computes the weight from
 its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines that computation into the
@@ -14,6 +14,7 @@ matmul's inner loop, so no float copy of a weight is ever written to memory. A f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -55,6 +56,19 @@ class GroupFormat(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A run of a fused weight's rows stored in a format of its own (the source stores the
+    fused parts in different formats, ``compiler.quantization.plan``)."""
+
+    rows: int
+    fmt: GroupFormat
+
+
+# What ``quantize_layers`` installs for one weight: a format (None: float), or segments.
+Layout = GroupFormat | None | tuple[Segment, ...]
+
+
 class ActivationMatmul(Protocol):
     """Another kernel for x @ W.T with a quantized W, that quantizes x too (the compiler's
     int8-activation matmul, ``compiler/int8_matmul.py``); returns float32."""
@@ -76,10 +90,10 @@ def _group_scale_offset(fmt: GroupFormat, tensors: list[te.Tensor], p, g, r) -> 
         return scales[p, g, r], (offsets[p, g, r] if offsets is not None else None)
     super_scales = tensors[-2 if fmt.asymmetric else -1]
     s = g // (fmt.super_group // fmt.group_size)
-    scale = super_scales[p, s, r] * scales[p, g, r].astype("float32")
+    scale = super_scales[p, s, r].astype("float32") * scales[p, g, r].astype("float32")
     if offsets is None:
         return scale, None
-    return scale, tensors[-1][p, s, r] * offsets[p, g, r].astype("float32")
+    return scale, tensors[-1][p, s, r].astype("float32") * offsets[p, g, r].astype("float32")
 
 
 def codes_per_block(bits: int) -> int:
@@ -162,7 +176,7 @@ def quantized_matmul(
 class QuantizedWeight(nn.Module):
     """The parameters of one [N, K] weight stored in panels of P output rows, k-major inside a
     panel: a quantized weight's ``codes`` [N/P, K*bits/32, P], ``scales`` and ``offsets``
-    [N/P, K/group, P] (small integers in a two-level format, with float32 ``super_scales``
+    [N/P, K/group, P] (small integers in a two-level format, with float16 ``super_scales``
     and, if asymmetric, ``super_offsets`` [N/P, K/super_group, P]), or a float weight's
     ``panels`` [N/P, K, P] (``fmt`` None). One loaded
     vector then holds the same code word of P consecutive output rows, so the CPU kernel
@@ -189,9 +203,9 @@ class QuantizedWeight(nn.Module):
         self.offsets = nn.Parameter(groups, group_type) if fmt.asymmetric else None
         if fmt.super_group:
             supers = (n // panel, k // fmt.super_group, panel)
-            self.super_scales = nn.Parameter(supers, "float32")
+            self.super_scales = nn.Parameter(supers, "float16")
             if fmt.asymmetric:
-                self.super_offsets = nn.Parameter(supers, "float32")
+                self.super_offsets = nn.Parameter(supers, "float16")
 
     def tensors(self) -> list[nn.Tensor]:
         """The parameters in the order of ``PANEL_SUFFIXES`` (those this format has)."""
@@ -224,21 +238,36 @@ def _matmul(
 
 
 class QuantizedLinear(nn.Module):
-    """``nn.Linear`` with a quantized weight (the bias, if any, stays in the model's type)."""
+    """``nn.Linear`` with a quantized weight (the bias, if any, stays in the model's type); a
+    weight in segments is an ``nn.ModuleList`` of them (parameters ``weight.0.codes``, ...),
+    whose products are concatenated."""
 
     def __init__(
         self,
         linear: nn.Linear,
-        fmt: GroupFormat | None,
+        layout: Layout,
         activation_matmul: ActivationMatmul | None = None,
     ):
         self.out_dtype = linear.weight.dtype
-        self.weight = QuantizedWeight(linear.out_features, linear.in_features, fmt)
+        k = linear.in_features
+        if isinstance(layout, tuple):
+            if sum(s.rows for s in layout) != linear.out_features:
+                raise ValueError(
+                    f"segments of {[s.rows for s in layout]} rows do not make {linear.out_features}"
+                )
+            self.weight = nn.ModuleList([QuantizedWeight(s.rows, k, s.fmt) for s in layout])
+        else:
+            self.weight = QuantizedWeight(linear.out_features, k, layout)
         self.bias = linear.bias
         self.activation_matmul = activation_matmul
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        y = _matmul(x, self.weight, self.out_dtype, "quantized_matmul", self.activation_matmul)
+        segments = self.weight if isinstance(self.weight, nn.ModuleList) else [self.weight]
+        outs = [
+            _matmul(x, w, self.out_dtype, "quantized_matmul", self.activation_matmul)
+            for w in segments
+        ]
+        y = outs[0] if len(outs) == 1 else op.concat(outs, dim=-1)
         return y + self.bias if self.bias is not None else y
 
 
@@ -294,14 +323,15 @@ def quantizable_weights(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 def quantize_layers(
     model: nn.Module,
-    formats: Mapping[str, GroupFormat | None],
+    formats: Mapping[str, Layout],
     activation_matmul: ActivationMatmul | None = None,
 ) -> nn.Module:
     """Swap every ``nn.Linear`` / ``nn.Embedding`` whose ``<path>.weight`` is in ``formats``
     for its panel form (an ``nn.Mutator`` model rewrite, as MLC-LLM does it): quantized, with
-    parameters ``<path>.weight.codes`` / ``.scales`` / ``.offsets``, or float (format None),
-    with ``<path>.weight.panels``. ``activation_matmul`` multiplies by the quantized ones
-    instead of the float-activation kernel (e.g. with int8 activations)."""
+    parameters ``<path>.weight.codes`` / ``.scales`` / ``.offsets``, float (format None), with
+    ``<path>.weight.panels``, or a linear weight in segments (``QuantizedLinear``).
+    ``activation_matmul`` multiplies by the quantized ones instead of the float-activation
+    kernel (e.g. with int8 activations)."""
 
     class _Rewrite(nn.Mutator):
         def visit_module(self, name: str, node: nn.Module):

@@ -76,11 +76,10 @@ def _weight(fmt: GroupFormat, rng: np.random.Generator) -> QuantizedTensor:
     if fmt.super_group:  # as Q4_K (6-bit sc, m) and Q6_K (int8 sc): integers under f16 values
         shape, parts = (N, K // fmt.super_group), 2 if fmt.asymmetric else 1
         f16 = [rng.uniform(-0.01, 0.01, shape).astype(np.float16) for _ in range(parts)]
-        supers = [d.astype(np.float32) for d in f16]
         low, high = (0, 64) if fmt.asymmetric else (-128, 128)
         small = [rng.integers(low, high, groups).astype(fmt.group_type) for _ in range(parts)]
         names = ["scales", "offsets"][:parts] + ["super_scales", "super_offsets"][:parts]
-        arrays = dict(zip(names, small + supers, strict=True))
+        arrays = dict(zip(names, small + f16, strict=True))
         return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), **arrays)
     scales = rng.uniform(0.01, 0.1, groups).astype(np.float32)
     offsets = rng.normal(0, 0.2, groups).astype(np.float32) if fmt.asymmetric else None

@@ -22,7 +22,6 @@ from mlc_spec.compiler.quantization import (
     from_gguf,
     pack_codes,
     permute_rows,
-    promote,
     quantize_symmetric,
     to_portable,
     unpack_codes,
@@ -236,38 +235,8 @@ def _gguf_tensor(ggml_type: T, seed: int, rows: int = 4) -> QuantizedTensor:
     return from_gguf(_gguf_blocks(ggml_type, np.random.default_rng(seed), shape), ggml_type, shape)
 
 
-@pytest.mark.parametrize("source", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q6_K])
-def test_promote_is_exact(source: T) -> None:
-    qt = _gguf_tensor(source, int(source))
-    reference = dequantize(qt)
-    wider = [
-        fmt
-        for fmt in map(GroupFormat.parse, ("q4g32", "q4g32a", "q4g16", "q8g32", "q8g16a"))
-        if fmt.holds(qt.fmt)
-    ]
-    assert wider
-    for fmt in wider:
-        promoted = promote(qt, fmt)
-        assert promoted.fmt == fmt
-        # Value-equal: symmetric -> asymmetric may turn a -0.0 into +0.0.
-        np.testing.assert_array_equal(dequantize(promoted), reference)
-
-
-def test_promote_refuses_narrowing_and_inexact_offsets() -> None:
-    qt = to_portable(_gguf_tensor(T.Q6_K, 0))
-    for name in ("q4g16", "q8g32"):
-        with pytest.raises(ValueError, match=f"q8g16 as {name}"):
-            promote(qt, GroupFormat.parse(name))
-    with pytest.raises(ValueError, match="q8g16a as q8g16"):
-        promote(promote(qt, GroupFormat.parse("q8g16a")), GroupFormat.parse("q8g16"))
-    # Full-precision scales times codes do not fit float32's 24-bit significand.
-    full = quantize_symmetric(np.random.default_rng(0).standard_normal((2, 64)), 8)
-    with pytest.raises(ValueError, match="not exact in float32"):
-        promote(full, GroupFormat.parse("q8g32a"))
-
-
 def test_q4_k_keeps_its_integer_scales() -> None:
-    """Q4_K loads as GGUF stores it: 6-bit sc and m under d and -dmin per 256, 4.75 bits per
+    """Q4_K loads as GGUF stores it: 6-bit sc and m under f16 d and -dmin per 256, 4.625 bits per
     weight against the one-level 6; ``to_portable`` gives the one-level tensor value for
     value."""
     shape = (4, 512)
@@ -275,11 +244,12 @@ def test_q4_k_keeps_its_integer_scales() -> None:
     qt = from_gguf(data, T.Q4_K, shape)
     assert qt.scales.max() < 64 and qt.offsets.max() < 64
     blocks = data.reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(4, 2)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(4, 2)
+    d = blocks[:, 0:2].copy().view(np.float16).reshape(4, 2)
+    dmin = blocks[:, 2:4].copy().view(np.float16).reshape(4, 2)
     np.testing.assert_array_equal(qt.super_scales, d)
     np.testing.assert_array_equal(qt.super_offsets, -dmin)
-    assert qt.nbytes * 8 == 4.75 * 4 * 512
+    assert qt.super_scales.dtype == qt.super_offsets.dtype == np.float16  # as GGUF stores them
+    assert qt.nbytes * 8 == 4.625 * 4 * 512
     one = to_portable(qt)
     assert one.fmt.name == "q4g32a" and one.nbytes * 8 == 6 * 4 * 512
     np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
@@ -287,48 +257,36 @@ def test_q4_k_keeps_its_integer_scales() -> None:
 
 
 def test_q6_k_keeps_its_integer_scales() -> None:
-    """Q6_K loads as GGUF stores it: 6-bit codes, int8 sc per 16 under d per 256, 6.625 bits
+    """Q6_K loads as GGUF stores it: 6-bit codes, int8 sc per 16 under f16 d per 256, 6.5625 bits
     per weight against the 10 of q8g16; ``to_portable`` gives q8g16 value for value."""
     shape = (4, 512)
     data = _gguf_blocks(T.Q6_K, np.random.default_rng(8), shape)
     qt = from_gguf(data, T.Q6_K, shape)
     blocks = data.reshape(-1, 210)
     np.testing.assert_array_equal(qt.scales, blocks[:, 192:208].view(np.int8).reshape(4, 32))
-    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(4, 2)
+    d = blocks[:, 208:210].copy().view(np.float16).reshape(4, 2)
     np.testing.assert_array_equal(qt.super_scales, d)
+    assert qt.super_scales.dtype == np.float16
     assert qt.offsets is None and qt.super_offsets is None
-    assert qt.nbytes * 8 == 6.625 * 4 * 512
+    assert qt.nbytes * 8 == 6.5625 * 4 * 512
     one = to_portable(qt)
     assert one.fmt.name == "q8g16" and one.nbytes * 8 == 10 * 4 * 512
     np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
 
 
-def test_concat_rows_promotes_to_common_format() -> None:
-    # Qwen2.5-1.5B Q4_K_M fuses q, k (Q4_K) with v (Q6_K).
-    parts = [_gguf_tensor(T.Q4_K, 1, 4), _gguf_tensor(T.Q4_K, 2, 2), _gguf_tensor(T.Q6_K, 3, 2)]
-    fused = concat_rows(parts)
-    assert fused.fmt.name == "q8g16a" and fused.shape == (8, 256)
-    np.testing.assert_array_equal(dequantize(fused), np.concatenate([dequantize(p) for p in parts]))
-    same = [_gguf_tensor(T.Q5_0, 4), _gguf_tensor(T.Q8_0, 5)]  # Qwen2.5-0.5B: no promotion
-    fused = concat_rows(same)
-    assert fused.fmt.name == "q8g32"
-    np.testing.assert_array_equal(
-        _bits(dequantize(fused)), _bits(np.concatenate([dequantize(p) for p in same]))
-    )
-    with pytest.raises(ValueError, match="different lengths"):
-        concat_rows([parts[0], quantize_symmetric(np.zeros((1, 64), np.float32), 4)])
-    gate_up = parts[:2]  # both Q4_K: two levels kept
+def test_concat_rows_stacks_one_format_only() -> None:
+    """Fused parts in one format stack as they are (Q4_K gate/up stay two-level); parts in
+    different formats are refused, never widened: the plan keeps them apart."""
+    gate_up = [_gguf_tensor(T.Q4_K, 1, 4), _gguf_tensor(T.Q4_K, 2, 2)]
     fused = concat_rows(gate_up)
     assert fused.fmt.name == "q4g32as256" and fused.shape == (6, 256)
     np.testing.assert_array_equal(
         _bits(dequantize(fused)), _bits(np.concatenate([dequantize(p) for p in gate_up]))
     )
-    mixed = [parts[0], _gguf_tensor(T.Q4_1, 6)]  # falls back to one level
-    fused = concat_rows(mixed)
-    assert fused.fmt.name == "q4g32a"
-    np.testing.assert_array_equal(
-        _bits(dequantize(fused)), _bits(np.concatenate([dequantize(p) for p in mixed]))
-    )
+    with pytest.raises(ValueError, match=r"different formats \['q4g32as256', 'q6g16s256'\]"):
+        concat_rows([gate_up[0], _gguf_tensor(T.Q6_K, 3, 2)])
+    with pytest.raises(ValueError, match="different lengths"):
+        concat_rows([gate_up[0], quantize_symmetric(np.zeros((1, 64), np.float32), 4)])
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q4_K], ids=lambda t: t.name)
@@ -354,15 +312,15 @@ def test_describe() -> None:
             "codes": [[3, 32], "uint32"],
             "scales": [[3, 8], "uint8"],
             "offsets": [[3, 8], "uint8"],
-            "super_scales": [[3, 1], "float32"],
-            "super_offsets": [[3, 1], "float32"],
+            "super_scales": [[3, 1], "float16"],
+            "super_offsets": [[3, 1], "float16"],
         },
     }
     assert describe(_gguf_tensor(T.Q4_1, 0))["tensors"]["scales"] == [[4, 8], "float32"]
     assert describe(_gguf_tensor(T.Q6_K, 0))["tensors"] == {
         "codes": [[4, 48], "uint32"],
         "scales": [[4, 16], "int8"],
-        "super_scales": [[4, 1], "float32"],
+        "super_scales": [[4, 1], "float16"],
     }
     assert describe(np.zeros((4, 2), np.float16)) == {
         "format": "float16",

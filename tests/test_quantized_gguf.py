@@ -17,20 +17,27 @@ from tiny_models import tiny_config
 from mlc_spec.compiler import compile as compile_module
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
-from mlc_spec.compiler.quantization.plan import plan_quantization
+from mlc_spec.compiler.quantization import format_of
+from mlc_spec.compiler.quantization.plan import Quantize, layer_layouts, plan_quantization
 from mlc_spec.compiler.sources import load_source
 from mlc_spec.runtime.model import Model
 
+# A fused weight whose parts the file stores in different formats is kept in segments, one
+# per run of parts in one format (``weight.0``, ``weight.1``, ...), never promoted to a wider
+# common format.
 EXPECTED_FORMATS = {
     "model.embed_tokens.weight": "q8g32",
     "lm_head.weight": "q8g16",
-    "model.layers.0.self_attn.qkv_proj.weight": "q8g16a",
+    "model.layers.0.self_attn.qkv_proj.weight.0": "q4g32a",  # Q4_K q, k multiplied out
+    "model.layers.0.self_attn.qkv_proj.weight.1": "q8g16",  # Q6_K v
     "model.layers.0.self_attn.o_proj.weight": "q8g32a",
-    "model.layers.0.mlp.gate_up_proj.weight": "q4g32a",
+    "model.layers.0.mlp.gate_up_proj.weight.0": "q4g32",  # Q4_0 gate
+    "model.layers.0.mlp.gate_up_proj.weight.1": "q4g32a",  # Q4_1 up
     "model.layers.0.mlp.down_proj.weight": "q8g32",
-    "model.layers.1.self_attn.qkv_proj.weight": "q8g32a",
+    "model.layers.1.self_attn.qkv_proj.weight.0": "q8g32",  # Q8_0 q, Q5_0 k widened
+    "model.layers.1.self_attn.qkv_proj.weight.1": "q8g32a",  # Q5_1 v
     "model.layers.1.self_attn.o_proj.weight": "float32",
-    "model.layers.1.mlp.gate_up_proj.weight": "q4g32a",  # Q4_K multiplied out
+    "model.layers.1.mlp.gate_up_proj.weight": "q4g32a",  # Q4_K gate and up
     "model.layers.1.mlp.down_proj.weight": "q8g16",
 }
 
@@ -57,6 +64,7 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
         del expected["lm_head.weight"]
         expected["model.embed_tokens.weight"] = "q8g32"
     assert {w: formats[w] for w in expected} == expected
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in formats  # only its segments
 
     hf = _reference(path, arch)
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
@@ -88,7 +96,11 @@ def test_gguf_int8_formats_equal_portable(arch, request, tmp_path, monkeypatch):
     assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "q4g32as256"
     assert formats["model.layers.1.mlp.down_proj.weight"] == "q6g16s256"
     assert formats["model.layers.0.mlp.down_proj.weight"] == "q5g32"
-    assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "q8g16a"  # Q4_K q, k; Q6_K v
+    assert formats["model.layers.0.self_attn.qkv_proj.weight.0"] == "q4g32as256"  # Q4_K q, k
+    assert formats["model.layers.0.self_attn.qkv_proj.weight.1"] == "q6g16s256"  # Q6_K v
+    assert formats["model.layers.1.self_attn.qkv_proj.weight.0"] == "q8g32"  # Q8_0 q
+    assert formats["model.layers.1.self_attn.qkv_proj.weight.1"] == "q5g32"  # Q5_0 k
+    assert formats["model.layers.1.self_attn.qkv_proj.weight.2"] == "q5g32a"  # Q5_1 v
     table = {"llama": "q4g32as256", "qwen2": "q6g16s256"}[arch]
     assert formats["model.embed_tokens.weight"] == table
     assert formats.get("lm_head.weight", "tied") == {"llama": "q6g16s256", "qwen2": "tied"}[arch]
@@ -106,6 +118,27 @@ def test_gguf_int8_formats_equal_portable(arch, request, tmp_path, monkeypatch):
     assert not {"q4g32as256", "q6g16s256", "q5g32"} & stored
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     np.testing.assert_array_equal(_our_logits(artifact, seq), _our_logits(widened, seq))
+
+
+def test_plan_keeps_fused_parts_apart_by_loaded_format():
+    """Segments follow the formats that load: Q5_0 q with Q8_0 k/v (Qwen2.5-0.5B Q4_K_M) are one
+    8-bit matrix with float activations, a 5-bit and an 8-bit segment with int8 ones; each
+    segment names its parts and rows."""
+    q, k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    stored = {q: format_of(T.Q5_0), k: format_of(T.Q8_0), v: format_of(T.Q8_0)}
+    shapes = {q: (64, 32), k: (16, 32), v: (16, 32)}
+    weights = {"model.layers.0.self_attn.qkv_proj.weight": (96, 32)}
+    portable = plan_quantization(weights, stored, shapes, "as-source")
+    assert portable == {
+        "model.layers.0.self_attn.qkv_proj.weight": Quantize(format_of(T.Q8_0), as_stored=True)
+    }
+    apart = plan_quantization(weights, stored, shapes, "as-source", int8_formats=True)
+    assert apart == {
+        "model.layers.0.self_attn.qkv_proj.weight.0": Quantize(format_of(T.Q5_0), True, (q,), 64),
+        "model.layers.0.self_attn.qkv_proj.weight.1": Quantize(format_of(T.Q8_0), True, (k, v), 32),
+    }
+    segments = layer_layouts(apart)["model.layers.0.self_attn.qkv_proj.weight"]
+    assert [(s.rows, s.fmt.name) for s in segments] == [(64, "q5g32"), (32, "q8g32")]
 
 
 def _logits(hf: torch.nn.Module, seq: np.ndarray) -> np.ndarray:

@@ -124,7 +124,7 @@ DIMS = dict(
     max_position_embeddings=256,
 )
 LAYER_TYPES = [
-    {  # q/k Q4_K with v Q6_K fuse as 8-bit per-16 asymmetric; Q4_0 + Q4_1 as 4-bit asymmetric
+    {  # fused parts in different formats: q/k Q4_K and v Q6_K, gate Q4_0 and up Q4_1
         "self_attn.q_proj": T.Q4_K,
         "self_attn.k_proj": T.Q4_K,
         "self_attn.v_proj": T.Q6_K,
@@ -133,10 +133,11 @@ LAYER_TYPES = [
         "mlp.up_proj": T.Q4_1,
         "mlp.down_proj": T.Q5_0,
     },
-    {  # o_proj stays float (F16 in the file); gate/up Q4_K stay two-level
+    {  # o_proj stays float (F16 in the file); gate/up Q4_K stay two-level; q Q8_0 and k Q5_0
+        # load alike with float activations (8-bit, k widened), apart with int8 ones
         "self_attn.q_proj": T.Q8_0,
-        "self_attn.k_proj": T.Q5_1,
-        "self_attn.v_proj": T.Q4_1,
+        "self_attn.k_proj": T.Q5_0,
+        "self_attn.v_proj": T.Q5_1,
         "mlp.gate_proj": T.Q4_K,
         "mlp.up_proj": T.Q4_K,
         "mlp.down_proj": T.Q6_K,

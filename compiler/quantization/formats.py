@@ -12,14 +12,14 @@ with g = k // group_size, computed in float32 in exactly that order. Every GGUF 
 same expression, so numpy, GGUF and the compiled model agree value for value.
 
 *Two-level* formats (``super_group`` > 0, named e.g. ``q4g32as256``; GGUF's Q4_K) store the
-group scale and offset as small integers (uint8) under one float32 pair per super-group of
+group scale and offset as small integers (uint8) under one float16 pair per super-group of
 ``super_group`` weights, as GGUF does:
 
     scale[n, g] = super_scale[n, s] * sc[n, g]     offset[n, g] = super_offset[n, s] * m[n, g]
 
-with s = k // super_group: 4.75 bits per 4-bit weight instead of 6. GGUF's Q6_K is the
-symmetric two-level ``q6g16s256``: 6-bit codes, int8 scales per 16 under one float32 per 256,
-6.625 bits per weight instead of the 10 of ``q8g16``. For GGUF's values (an f16 times an
+with s = k // super_group, in float32: 4.625 bits per 4-bit weight instead of 6. GGUF's Q6_K
+is the symmetric two-level ``q6g16s256``: 6-bit codes, int8 scales per 16 under one float16
+per 256, 6.5625 bits per weight instead of the 10 of ``q8g16``. For GGUF's values (an f16 times an
 integer below 2**8, times a code below 2**6) every product is exact in float32, so the weight
 rounds once, at the sum, however a kernel orders or fuses these multiplications.
 
@@ -45,7 +45,6 @@ from mlc_spec.models.quantized import codes_per_block, high_bit
 
 # Rows per chunk when quantizing, so temporaries stay a few MB whatever the matrix size.
 _CHUNK_ELEMENTS = 1 << 22
-_FLOAT32_SIGNIFICAND_BITS = 24
 
 
 # Super-group sizes of two-level formats (GGUF's K-type super-block).
@@ -53,6 +52,8 @@ _SUPER_GROUPS = (256,)
 # The two-level formats: (bits, group size, asymmetric) -> the type of their group integers
 # (GGUF's Q4_K, and Q6_K with its signed sub-scales).
 _TWO_LEVEL = {(4, 32, True): np.uint8, (6, 16, False): np.int8}
+# The type of a two-level format's super-group scales and offsets: GGUF's own f16.
+SUPER_TYPE = np.float16
 
 
 @dataclass(frozen=True)
@@ -110,29 +111,6 @@ class GroupFormat:
             )
         return cls(int(match[1]), int(match[2]), bool(match[3]), int(match[4] or 0))
 
-    def holds(self, other: GroupFormat) -> bool:
-        """Whether every tensor of ``other`` re-encodes into this format (see ``promote``): a
-        format only the int8 kernel reads holds only itself; a portable one holds what holds
-        its values."""
-        if self != self.portable:
-            return self == other
-        return (
-            self.bits >= other.bits
-            and other.group_size % self.group_size == 0
-            and self.asymmetric >= other.asymmetric
-        )
-
-    @classmethod
-    def common(cls, formats: Sequence[GroupFormat]) -> GroupFormat:
-        """The narrowest format that holds all of ``formats`` (two-level only if all are)."""
-        if len(set(formats)) == 1:
-            return formats[0]
-        return cls(
-            max(f.portable.bits for f in formats),
-            min(f.group_size for f in formats),
-            any(f.asymmetric for f in formats),
-        )
-
 
 def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
     if len(shape) != 2:
@@ -151,7 +129,7 @@ class QuantizedTensor:
     """A [N, K] weight in ``fmt``: packed ``codes`` uint32 [N, K*bits/32], ``scales`` float32
     [N, K/group_size] and ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None.
     Two-level: ``scales`` and ``offsets`` are small integers (``fmt.group_type``) and
-    ``super_scales`` / ``super_offsets`` (asymmetric only) float32 [N, K/super_group] (None in
+    ``super_scales`` / ``super_offsets`` (asymmetric only) float16 [N, K/super_group] (None in
     one-level formats)."""
 
     fmt: GroupFormat
@@ -173,9 +151,9 @@ class QuantizedTensor:
             expected["offsets"] = (groups, group_type)
         if self.fmt.super_group:
             supers = (n, k // self.fmt.super_group)
-            expected["super_scales"] = (supers, np.float32)
+            expected["super_scales"] = (supers, SUPER_TYPE)
             if self.fmt.asymmetric:
-                expected["super_offsets"] = (supers, np.float32)
+                expected["super_offsets"] = (supers, SUPER_TYPE)
         given = self.arrays()
         del given["codes"]
         if set(given) != set(expected):
@@ -273,7 +251,7 @@ def to_portable(qt: QuantizedTensor) -> QuantizedTensor:
         ratio = fmt.super_group // fmt.group_size
 
         def multiplied(supers: np.ndarray, small: np.ndarray) -> np.ndarray:
-            return np.repeat(supers, ratio, axis=1) * small.astype(np.float32)
+            return np.repeat(supers.astype(np.float32), ratio, axis=1) * small.astype(np.float32)
 
         scales = multiplied(qt.super_scales, qt.scales)
         offsets = None if qt.offsets is None else multiplied(qt.super_offsets, qt.offsets)
@@ -361,78 +339,22 @@ def quantize_symmetric(w: np.ndarray, bits: int, group_size: int = 32) -> Quanti
     return QuantizedTensor(fmt, pack_codes(codes, bits), scales)
 
 
-def _significant_bits(x: np.ndarray) -> np.ndarray:
-    """Bits between the highest and lowest set bit of each float32's significand (0 for 0)."""
-    raw = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
-    mantissa = (raw & np.uint32(0x7FFFFF)).astype(np.int64)
-    significand = np.where(raw >> np.uint32(23) > 0, mantissa | 0x800000, mantissa)
-    high = np.frexp(significand.astype(np.float64))[1]
-    low = np.frexp((significand & -significand).astype(np.float64))[1]
-    return np.where(significand > 0, high - low + 1, 0)
-
-
-def promote(qt: QuantizedTensor, fmt: GroupFormat) -> QuantizedTensor:
-    """Re-encode ``qt`` exactly into the wider ``fmt``: more bits, a group size dividing the old
-    one (scales and offsets repeat), symmetric to asymmetric. Narrowing raises ValueError.
-
-    Exactness, value for value (``dequantize`` of the result == ``dequantize(qt)``; +0 and -0
-    are not told apart): symmetric to symmetric keeps c - zero, asymmetric keeps c, offsets and
-    scales. Symmetric to asymmetric uses c' = c - zero + s and offset = -s * scale, with s the
-    smallest power of two making every c' >= 0; then scale * c' and offset are exact, so the sum
-    rounds once, like scale * (c - zero), iff every scale * c' is exact. That holds for every GGUF
-    type (scales are an f16 times an integer below 2**8, codes c' below 2**6 for Q6_K); where it
-    does not (full-precision scales with wide codes) this raises ValueError instead of changing
-    values. A tensor in a format only the int8 kernel reads goes through ``to_portable``.
-    """
-    src = qt.fmt
-    if not fmt.holds(src):
-        raise ValueError(
-            f"cannot re-encode {src.name} as {fmt.name} exactly: the target needs at least as "
-            "many bits, a group size dividing the source's, and offsets if the source has them"
-        )
-    if fmt == src:
-        return qt
-    qt = to_portable(qt)
-    src = qt.fmt
-    if fmt == src:
-        return qt
-    codes = unpack_codes(qt.codes, src.bits)
-    scales, offsets = qt.scales, qt.offsets
-    if not src.asymmetric:
-        signed = codes.astype(np.int16) - np.int16(src.zero)
-        if fmt.asymmetric:
-            lowest = -int(signed.min()) if signed.size else 0
-            shift = 1 << (lowest - 1).bit_length() if lowest > 0 else 0
-            codes = (signed + np.int16(shift)).astype(np.uint8)
-            widest = int(codes.max()).bit_length() if codes.size else 0
-            if (_significant_bits(scales) + widest > _FLOAT32_SIGNIFICAND_BITS).any() or not (
-                np.isfinite(scales * np.float32(1 << widest)).all()
-            ):
-                raise ValueError(
-                    f"cannot re-encode {src.name} as {fmt.name} exactly: scale * code is not "
-                    "exact in float32 for these scales"
-                )
-            offsets = scales * np.float32(-shift)
-        else:
-            codes = (signed + np.int16(fmt.zero)).astype(np.uint8)
-    ratio = src.group_size // fmt.group_size
-    if ratio > 1:
-        scales = np.repeat(scales, ratio, axis=1)
-        offsets = None if offsets is None else np.repeat(offsets, ratio, axis=1)
-    return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), scales, offsets)
-
-
 def concat_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
-    """Stack ``parts`` along rows (fused q/k/v or gate/up), each first promoted to the narrowest
-    format holding all of them, so the result decodes to the stacked decoded parts exactly."""
+    """Stack ``parts``, all in one format, along rows (fused q/k/v or gate/up). Parts in
+    different formats are never widened to a common one: a fused weight keeps them apart
+    (``compiler/quantization/plan.py``)."""
     if not parts:
         raise ValueError("concat_rows needs at least one tensor")
     widths = {p.shape[1] for p in parts}
     if len(widths) != 1:
         raise ValueError(f"cannot stack rows of different lengths {sorted(widths)}")
-    fmt = GroupFormat.common([p.fmt for p in parts])
-    arrays = [promote(p, fmt).arrays() for p in parts]
-    return QuantizedTensor(fmt, **{f: np.concatenate([a[f] for a in arrays]) for f in arrays[0]})
+    formats = sorted({p.fmt.name for p in parts})
+    if len(formats) != 1:
+        raise ValueError(f"cannot stack rows of different formats {formats}")
+    arrays = [p.arrays() for p in parts]
+    return QuantizedTensor(
+        parts[0].fmt, **{f: np.concatenate([a[f] for a in arrays]) for f in arrays[0]}
+    )
 
 
 def describe(param: QuantizedTensor | np.ndarray) -> dict:

@@ -35,7 +35,12 @@ class UnsupportedTensorType(ValueError):
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The f16 at byte ``start`` of each block, as float32 [B, 1]."""
-    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+    return _f16_stored(blocks, start).astype(np.float32)
+
+
+def _f16_stored(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The f16 at byte ``start`` of each block, as stored: float16 [B, 1]."""
+    return blocks[:, start : start + 2].copy().view(np.float16)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -85,8 +90,8 @@ def _k_scales(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "scales": sc,
         "offsets": mins,
-        "super_scales": _f16(blocks, 0),
-        "super_offsets": -_f16(blocks, 2),
+        "super_scales": _f16_stored(blocks, 0),
+        "super_offsets": -_f16_stored(blocks, 2),
     }
 
 
@@ -102,8 +107,8 @@ def _q5_k(blocks: np.ndarray) -> _Decoded:
     k = _k_scales(blocks)  # multiplied out: two-level formats hold 4-bit codes only
     return _scaled(
         codes.reshape(len(blocks), 256),
-        k["super_scales"] * k["scales"].astype(np.float32),
-        k["super_offsets"] * k["offsets"].astype(np.float32),
+        k["super_scales"].astype(np.float32) * k["scales"].astype(np.float32),
+        k["super_offsets"].astype(np.float32) * k["offsets"].astype(np.float32),
     )
 
 
@@ -114,7 +119,7 @@ def _q6_k(blocks: np.ndarray) -> _Decoded:
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts).reshape(n, 8, 32) & np.uint8(3)
     codes = low | (high << np.uint8(4))  # q + 32: the format's zero is 32
     sc = blocks[:, 192:208].view(np.int8)
-    return codes.reshape(n, 256), {"scales": sc, "super_scales": _f16(blocks, 208)}
+    return codes.reshape(n, 256), {"scales": sc, "super_scales": _f16_stored(blocks, 208)}
 
 
 _DECODERS: dict[GGMLQuantizationType, tuple[GroupFormat, Callable[[np.ndarray], _Decoded]]] = {
