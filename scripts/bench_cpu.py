@@ -1,9 +1,10 @@
 """CPU speed of a compiled model at batch 1, side by side with llama.cpp and transformers.
 
 All three run on the same GGUF file, the same prompt and the same thread count in one run, so the
-ratios are meaningful even on a noisy machine; the absolute figures are not. mlc-spec and
-transformers share this process and take turns round by round; llama.cpp (``llama-bench``, built
-by ``scripts/llamacpp.py``) runs in a child just before. Each K-token verify figure stands beside
+ratios are meaningful even on a noisy machine; the absolute figures are not. They take turns
+round by round, so that load drifting over minutes weighs on all three alike: mlc-spec and
+transformers in this process, llama.cpp (``llama-bench``, built by ``scripts/llamacpp.py``, one
+repetition per round) in a child. Each K-token verify figure stands beside
 its compute floor: K rows cost K x (weight parameters) FMAs at this CPU's peak FMA rate.
 
     python scripts/bench_cpu.py [--model smollm2|qwen1.5b] [--quantization as-source|q4|q8|none]
@@ -19,7 +20,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,7 +36,7 @@ from benchdoc import (
     usable_cores,
     write_section,
 )
-from llamacpp import BenchFigures, bench, describe_build
+from llamacpp import BenchFigures, bench, describe_build, median_figures
 from peak_rss import engine_peak_rss, gib
 from tokenizers import Tokenizer
 
@@ -145,18 +146,25 @@ def one_round(backend: Backend, prompt: list[int], continuation: list[int]) -> F
 
 
 def measure(
-    backends: list[Backend], prompt: list[int], continuation: list[int], repeats: int
+    backends: list[Backend],
+    prompt: list[int],
+    continuation: list[int],
+    repeats: int,
+    each_round: Callable[[], None] | None = None,
 ) -> list[Figures]:
     """Median figures per backend over ``repeats`` rounds.
 
     The backends take turns round by round, so that the load of a shared machine, which drifts
-    over seconds to minutes, weighs on both alike and the ratios stay fair. One extra leading
-    round warms caches, allocators and thread pools and is dropped.
+    over seconds to minutes, weighs on both alike and the ratios stay fair; ``each_round`` runs
+    once per round after them (another system's turn). One extra leading round warms caches,
+    allocators and thread pools and is dropped.
     """
     rounds: list[list[Figures]] = [[] for _ in backends]
     for _ in range(repeats + 1):
         for backend, samples in zip(backends, rounds, strict=True):
             samples.append(one_round(backend, prompt, continuation))
+        if each_round is not None:
+            each_round()
     return [
         Figures(
             statistics.median(r.prefill_ms for r in samples[1:]),
@@ -309,10 +317,10 @@ def report(
                 f"logits only). Decode: {DECODE_STEPS} steps from a {PROMPT_LEN}-token context. "
                 "Verify K tokens: one forward of K tokens at that context, with logits for all K "
                 "(`evaluate_multi_query` / `past_key_values`); llama.cpp's figure is `llama-bench "
-                f"-p K -d {PROMPT_LEN}`, which computes the last token's logits only. mlc-spec and "
-                "transformers take turns round by round, each figure the median over `--repeats` "
-                "rounds after a warm-up round; llama.cpp's are medians of llama-bench's "
-                "samples over as many repetitions, run just before. Compute floor: "
+                f"-p K -d {PROMPT_LEN}`, which computes the last token's logits only. mlc-spec, "
+                "transformers and llama.cpp (one llama-bench repetition) take turns round by "
+                "round, each figure the median over `--repeats` rounds after a warm-up round. "
+                "Compute floor: "
                 f"{floor.assumption}; K rows cost K x that many multiply-adds (attention "
                 "ignored). Weights read per decode step: the stored bytes of every matrix a "
                 "token multiplies (the embedding table only where it is the tied LM head); "
@@ -410,14 +418,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     name, label = MODELS[args.model]
     gguf = fetch(name)
-    llama = bench(
-        gguf,
-        threads=args.threads,
-        n_prompt=PROMPT_LEN,
-        n_gen=DECODE_STEPS,
-        reps=args.repeats,
-        batch_ks=MULTI_QUERY_KS,
-    )
+    llama_rounds: list[BenchFigures] = []
+
+    def llama_round() -> None:
+        figures = bench(gguf, args.threads, PROMPT_LEN, DECODE_STEPS, 1, MULTI_QUERY_KS)
+        llama_rounds.append(figures)
+
+    # A child's peak RSS counts this process's at the fork, so llama.cpp's own is measured by a
+    # turn it takes before anything large is loaded here.
+    llama_round()
+
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact or compile_model(
             gguf,
@@ -437,7 +447,11 @@ def main() -> None:
     ).eval()
 
     with torch.inference_mode():
-        ours, eager = measure([Compiled(model), Eager(hf)], prompt, continuation, args.repeats)
+        ours, eager = measure(
+            [Compiled(model), Eager(hf)], prompt, continuation, args.repeats, llama_round
+        )
+    # Its first two turns precede the rounds measure() keeps (after its warm-up round).
+    llama = replace(median_figures(llama_rounds[2:]), peak_rss=llama_rounds[0].peak_rss)
 
     import tvm  # already imported, after TVM_NUM_THREADS was set
 

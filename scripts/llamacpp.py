@@ -144,6 +144,16 @@ def bench(
     )
 
 
+def median_figures(rounds: list[BenchFigures]) -> BenchFigures:
+    """The median of each figure over rounds of ``bench`` (the largest peak RSS)."""
+    return BenchFigures(
+        decode_ms_per_token=statistics.median(r.decode_ms_per_token for r in rounds),
+        prefill_tok_s=statistics.median(r.prefill_tok_s for r in rounds),
+        batch_ms={k: statistics.median(r.batch_ms[k] for r in rounds) for k in rounds[0].batch_ms},
+        peak_rss=max(r.peak_rss for r in rounds),
+    )
+
+
 @dataclass
 class Generation:
     """One greedy generation: tokens generated, seconds for prompt and generation (model loading
