@@ -139,6 +139,14 @@ def test_plan_keeps_fused_parts_apart_by_loaded_format():
     }
     segments = layer_layouts(apart)["model.layers.0.self_attn.qkv_proj.weight"]
     assert [(s.rows, s.fmt.name) for s in segments] == [(64, "q5g32"), (32, "q8g32")]
+    with pytest.raises(CompileError, match="have 96 rows, expected 80"):
+        plan_quantization(
+            {"model.layers.0.self_attn.qkv_proj.weight": (80, 32)},
+            stored,
+            shapes,
+            "as-source",
+            int8_formats=True,
+        )
 
 
 def _logits(hf: torch.nn.Module, seq: np.ndarray) -> np.ndarray:

@@ -91,6 +91,12 @@ def plan_quantization(
             if len(runs) == 1:
                 plan[weight] = Quantize(loaded[0], as_stored=True)
                 continue
+            total = sum(stored_shapes[src][0] for src in sources)
+            if total != weights[weight][0]:
+                raise CompileError(
+                    f"weights do not match the config: {', '.join(sources)} have {total} rows, "
+                    f"expected {weights[weight][0]}"
+                )
             plan.pop(weight, None)
             for i, run in enumerate(runs):
                 parts = tuple(src for src, _ in run)
