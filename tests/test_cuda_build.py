@@ -135,7 +135,7 @@ def test_tiny_model_cross_compiles_with_flashinfer_attention(tiny_flashinfer):
     assert "libcudart.so" in _run("readelf", "-d", library)
 
 
-@pytest.mark.heavy  # ~5 min; the tiny models cover TIR attention, SmolLM2 covers FlashInfer
+@pytest.mark.heavy  # ~5 min each; the tiny models cover both attention kernels by default
 def test_smollm2_cross_compiles_with_tir_attention(smollm2_gguf, tmp_path):
     out = compile_model(
         smollm2_gguf, "cuda", tmp_path / "cuda", show_progress=False, attention="tir"
@@ -143,7 +143,7 @@ def test_smollm2_cross_compiles_with_tir_attention(smollm2_gguf, tmp_path):
     _check_artifact(out, "float16", "tir")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_smollm2_reuses_the_cached_flashinfer_kernels(tiny_flashinfer, smollm2_gguf, tmp_path):
     """Same head dim and dtype as the tiny model: nothing is rebuilt."""
     before = _kernel_objects()
