@@ -52,7 +52,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder.tirx import prim_func as build_prim_func
 from tvm.target import Target
 
-from mlc_spec.models.quantized import GroupFormat, QuantizedWeight, panel_width
+from mlc_spec.models.quantized import SUPER_TYPE, GroupFormat, QuantizedWeight, panel_width
 from mlc_spec.runtime.artifact import ACTIVATIONS
 
 from .errors import CompileError
@@ -347,9 +347,9 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         )
         if fmt.super_group:
             supers = (panels, k // fmt.super_group, panel)
-            super_scales = T.arg("super_scales", T.buffer(supers, "float16"))
+            super_scales = T.arg("super_scales", T.buffer(supers, SUPER_TYPE))
             if fmt.asymmetric:
-                super_offsets = T.arg("super_offsets", T.buffer(supers, "float16"))
+                super_offsets = T.arg("super_offsets", T.buffer(supers, SUPER_TYPE))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
 
         def scale_offset(p, g, lane0) -> tuple:
@@ -363,7 +363,8 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
 
             def times(supers, small):
                 integers = T.Cast(f32, small.vload([p, g, lane0], f"{group_type}x{lanes}"))
-                return T.Cast(f32, supers.vload([p, s, lane0], f"float16x{lanes}")) * integers
+                widened = T.Cast(f32, supers.vload([p, s, lane0], f"{SUPER_TYPE}x{lanes}"))
+                return widened * integers
 
             if offsets is None:
                 return times(super_scales, scales), None

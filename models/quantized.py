@@ -26,6 +26,9 @@ from tvm.relax.frontend.nn import op
 # float one's single tensor.
 PANEL_SUFFIXES = ("codes", "scales", "offsets", "super_scales", "super_offsets", "panels")
 
+# The type of a two-level format's super-group scales and offsets: GGUF's own f16, exact.
+SUPER_TYPE = "float16"
+
 # Output rows per panel, the first that divides N (every Llama/Qwen2 shape takes 64).
 PANEL_WIDTHS = (64, 32, 16, 8, 1)
 
@@ -203,9 +206,9 @@ class QuantizedWeight(nn.Module):
         self.offsets = nn.Parameter(groups, group_type) if fmt.asymmetric else None
         if fmt.super_group:
             supers = (n // panel, k // fmt.super_group, panel)
-            self.super_scales = nn.Parameter(supers, "float16")
+            self.super_scales = nn.Parameter(supers, SUPER_TYPE)
             if fmt.asymmetric:
-                self.super_offsets = nn.Parameter(supers, "float16")
+                self.super_offsets = nn.Parameter(supers, SUPER_TYPE)
 
     def tensors(self) -> list[nn.Tensor]:
         """The parameters in the order of ``PANEL_SUFFIXES`` (those this format has)."""

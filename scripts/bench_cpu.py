@@ -20,7 +20,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -451,7 +451,7 @@ def main() -> None:
             [Compiled(model), Eager(hf)], prompt, continuation, args.repeats, llama_round
         )
     # Its first two turns precede the rounds measure() keeps (after its warm-up round).
-    llama = replace(median_figures(llama_rounds[2:]), peak_rss=llama_rounds[0].peak_rss)
+    llama = median_figures(llama_rounds[2:], peak_rss=llama_rounds[0].peak_rss)
 
     import tvm  # already imported, after TVM_NUM_THREADS was set
 

@@ -144,13 +144,14 @@ def bench(
     )
 
 
-def median_figures(rounds: list[BenchFigures]) -> BenchFigures:
-    """The median of each figure over rounds of ``bench`` (the largest peak RSS)."""
+def median_figures(rounds: list[BenchFigures], peak_rss: int) -> BenchFigures:
+    """The median of each timed figure over rounds of ``bench``, with ``peak_rss`` (taken by
+    the caller from a run whose parent process was small: see ``peak_rss.run_measured``)."""
     return BenchFigures(
         decode_ms_per_token=statistics.median(r.decode_ms_per_token for r in rounds),
         prefill_tok_s=statistics.median(r.prefill_tok_s for r in rounds),
         batch_ms={k: statistics.median(r.batch_ms[k] for r in rounds) for k in rounds[0].batch_ms},
-        peak_rss=max(r.peak_rss for r in rounds),
+        peak_rss=peak_rss,
     )
 
 

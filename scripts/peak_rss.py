@@ -35,7 +35,9 @@ class Finished:
 
 
 def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> Finished:
-    """Run ``cmd`` to completion and return its output with its own peak RSS (``wait4``)."""
+    """Run ``cmd`` to completion and return its output with its peak RSS (``wait4``). That
+    counts this process's RSS at the fork too (the kernel keeps the high-water mark of the image
+    that ``exec`` replaced), so call it while this process is small."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlc_spec.models.quantized import codes_per_block, high_bit
+from mlc_spec.models.quantized import SUPER_TYPE, codes_per_block, high_bit
 
 # Rows per chunk when quantizing, so temporaries stay a few MB whatever the matrix size.
 _CHUNK_ELEMENTS = 1 << 22
@@ -52,8 +52,6 @@ _SUPER_GROUPS = (256,)
 # The two-level formats: (bits, group size, asymmetric) -> the type of their group integers
 # (GGUF's Q4_K, and Q6_K with its signed sub-scales).
 _TWO_LEVEL = {(4, 32, True): np.uint8, (6, 16, False): np.int8}
-# The type of a two-level format's super-group scales and offsets: GGUF's own f16.
-SUPER_TYPE = np.float16
 
 
 @dataclass(frozen=True)
@@ -151,9 +149,9 @@ class QuantizedTensor:
             expected["offsets"] = (groups, group_type)
         if self.fmt.super_group:
             supers = (n, k // self.fmt.super_group)
-            expected["super_scales"] = (supers, SUPER_TYPE)
+            expected["super_scales"] = (supers, np.dtype(SUPER_TYPE))
             if self.fmt.asymmetric:
-                expected["super_offsets"] = (supers, SUPER_TYPE)
+                expected["super_offsets"] = (supers, np.dtype(SUPER_TYPE))
         given = self.arrays()
         del given["codes"]
         if set(given) != set(expected):

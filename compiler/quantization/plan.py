@@ -91,17 +91,20 @@ def plan_quantization(
             if len(runs) == 1:
                 plan[weight] = Quantize(loaded[0], as_stored=True)
                 continue
-            total = sum(stored_shapes[src][0] for src in sources)
+            segments = []
+            for run in runs:
+                parts = tuple(src for src, _ in run)
+                rows = sum(stored_shapes[src][0] for src in parts)
+                segments.append(Quantize(run[0][1], True, parts, rows))
+            total = sum(s.rows for s in segments)
             if total != weights[weight][0]:
                 raise CompileError(
                     f"weights do not match the config: {', '.join(sources)} have {total} rows, "
                     f"expected {weights[weight][0]}"
                 )
             plan.pop(weight, None)
-            for i, run in enumerate(runs):
-                parts = tuple(src for src, _ in run)
-                rows = sum(stored_shapes[src][0] for src in parts)
-                plan[segment_name(weight, i)] = Quantize(run[0][1], True, parts, rows)
+            for i, segment in enumerate(segments):
+                plan[segment_name(weight, i)] = segment
         return plan
     quantized = sorted(n for n, f in stored_formats.items() if f is not None)
     if quantized:
