@@ -62,6 +62,8 @@ _LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
 # vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
 _INT16_SUMS = 8
+# The most rows for which a panel sweep takes several vectors at once (``matmul_func``).
+_SHARED_SWEEP_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -440,14 +442,19 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         def exact(rows: int) -> None:
             """m == rows <= the largest tile: every weight vector read once per call. A panel
             is swept once per as many of its vectors as leave registers for their int32 and
-            float32 accumulators of every row (all 4 AVX-512 vectors for 1-3 rows, 2 for 4-6,
-            1 for 7-8). On Zen 4 these sweeps took 0.69-0.95x the time of one sweep over all
-            vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's shapes."""
+            float32 accumulators of every row (all 4 AVX-512 vectors for 1-3 rows, 2 for 4), and
+            one vector per sweep from 5 rows on: two vectors' decoded codes (16 registers for
+            4-bit) and their rows' accumulators crowd the 32 registers, and Qwen2.5-1.5B
+            verified 5 and 6 tokens 14-16% faster with one (4-bit gate/up alone: 20-35%;
+            docs/quantization.md). On Zen 4 these sweeps took
+            0.69-0.95x the time of one sweep over all vectors accumulating in the L1 cache, for
+            4-6 rows of Qwen2.5-1.5B's shapes."""
             width = max(
                 w
                 for w in range(1, vectors + 1)
                 if vectors % w == 0 and 2 * rows * w <= dot.registers - 6
             )
+            width = width if rows <= _SHARED_SWEEP_ROWS else 1
             with T.parallel(0, panels) as p:
                 for first in range(0, vectors, width):
                     in_registers(p, list(range(first, first + width)), rows, 0)
