@@ -354,19 +354,25 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                 super_offsets = T.arg("super_offsets", T.buffer(supers, SUPER_TYPE))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
 
+        def widened(buffer, index: list):
+            """One vector of float32 lanes from ``buffer``, converted from its type (float16
+            and small integers convert exactly)."""
+            dtype = str(buffer.dtype)
+            if dtype == "float32":
+                return buffer.vload(index, f32)
+            return T.Cast(f32, buffer.vload(index, f"{dtype}x{lanes}"))
+
         def scale_offset(p, g, lane0) -> tuple:
             """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``:
             loaded, or for a two-level format multiplied from its integers and its
             super-group's float16, widened (exact products: the one-level format's values)."""
             if not fmt.super_group:
-                offset = offsets.vload([p, g, lane0], f32) if offsets is not None else None
-                return scales.vload([p, g, lane0], f32), offset
+                offset = widened(offsets, [p, g, lane0]) if offsets is not None else None
+                return widened(scales, [p, g, lane0]), offset
             s = g // (fmt.super_group // fmt.group_size)
 
             def times(supers, small):
-                integers = T.Cast(f32, small.vload([p, g, lane0], f"{group_type}x{lanes}"))
-                widened = T.Cast(f32, supers.vload([p, s, lane0], f"{SUPER_TYPE}x{lanes}"))
-                return widened * integers
+                return widened(supers, [p, s, lane0]) * widened(small, [p, g, lane0])
 
             if offsets is None:
                 return times(super_scales, scales), None

@@ -6,10 +6,9 @@ lower layers plus its final norm and head make a cheap draft that agrees with it
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Mapping
-
-import numpy as np
 
 from .errors import CompileError
 from .sources import ModelSource
@@ -17,16 +16,15 @@ from .sources import ModelSource
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class _FirstLayers(Mapping[str, np.ndarray]):
-    """The source tensors without those of layers ``>= num_layers`` (still read lazily)."""
+class _FirstLayers(Mapping):
+    """A mapping by tensor name without the tensors of layers ``>= num_layers`` (values still
+    read lazily)."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], num_layers: int):
+    def __init__(self, tensors: Mapping, num_layers: int):
         self._tensors = tensors
-        self._names = {
-            n for n in tensors if (m := _LAYER.match(n)) is None or int(m.group(1)) < num_layers
-        }
+        self._names = {n for n in tensors if _kept(n, num_layers)}
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str):
         if name not in self._names:
             raise KeyError(name)
         return self._tensors[name]
@@ -41,15 +39,22 @@ class _FirstLayers(Mapping[str, np.ndarray]):
         return len(self._names)
 
 
+def _kept(name: str, num_layers: int) -> bool:
+    return (m := _LAYER.match(name)) is None or int(m.group(1)) < num_layers
+
+
 def first_layers(source: ModelSource, num_layers: int) -> ModelSource:
+    """The source's first ``num_layers`` layers, with its final norm and head; a GGUF keeps its
+    tensors as stored, so ``--quantization as-source`` applies to the self-draft too."""
     total = int(source.config["num_hidden_layers"])
     if not 1 <= num_layers <= total:
         raise CompileError(f"--num-layers must be between 1 and {total}, got {num_layers}")
     config = {**source.config, "num_hidden_layers": num_layers}
-    return ModelSource(
+    return dataclasses.replace(
+        source,
         config=config,
         tensors=_FirstLayers(source.tensors, num_layers),
-        source_hash=source.source_hash,
-        path=source.path,
-        chat_template=source.chat_template,
+        stored=_FirstLayers(source.stored, num_layers),
+        stored_formats={n: f for n, f in source.stored_formats.items() if _kept(n, num_layers)},
+        stored_shapes={n: s for n, s in source.stored_shapes.items() if _kept(n, num_layers)},
     )

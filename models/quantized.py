@@ -2,13 +2,14 @@
 rewrite that installs them.
 
 A quantized weight [N, K] is stored as its integer codes packed into 32-bit words along K,
-one float32 scale per group of ``group_size`` columns and, for asymmetric formats, one float32
-offset per group; or, in a two-level format, both as small integers under a float16 pair per
-super-group (``compiler/quantization/formats.py`` defines the formats). The layers
-dequantize inside the kernel that uses the weight: the matmul's TE computes the weight from
-its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines that computation into the
-matmul's inner loop, so no float copy of a weight is ever written to memory. A float weight
-(format ``None``) can take the same panel layout, so that on the CPU it gets the same kernels.
+one float32 (or GGUF's float16) scale per group of ``group_size`` columns and, for asymmetric
+formats, one offset per group likewise; or, in a two-level format, both as small integers
+under a float16 pair per super-group (``compiler/quantization/formats.py`` defines the
+formats). The layers dequantize inside the kernel that uses the weight: the matmul's TE
+computes the weight from its codes, and the CPU schedule (``compiler/cpu_matmul.py``) inlines
+that computation into the matmul's inner loop, so no float copy of a weight is ever written to
+memory. A float weight (format ``None``) can take the same panel layout, so that on the CPU it
+gets the same kernels.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def _group_scale_offset(fmt: GroupFormat, tensors: list[te.Tensor], p, g, r) -> 
     read, or for a two-level format multiplied from its integers and super-group pair."""
     scales = tensors[1]
     offsets = tensors[2] if fmt.asymmetric else None
-    if not fmt.super_group:
-        return scales[p, g, r], (offsets[p, g, r] if offsets is not None else None)
+    if not fmt.super_group:  # float32, or float16 widened exactly
+        scale = scales[p, g, r].astype("float32")
+        return scale, (offsets[p, g, r].astype("float32") if offsets is not None else None)
     super_scales = tensors[-2 if fmt.asymmetric else -1]
     s = g // (fmt.super_group // fmt.group_size)
     scale = super_scales[p, s, r].astype("float32") * scales[p, g, r].astype("float32")

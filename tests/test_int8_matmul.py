@@ -24,22 +24,20 @@ from mlc_spec.compiler.targets import make_target, vector_features
 from mlc_spec.models.quantized import QuantizedLinear, to_panels
 
 N, K = 128, 512  # two panels of 64 rows; 16 groups of 32, 2 super-groups of 256
-# The formats only this kernel reads, each beside its portable one.
+# The formats only this kernel reads, and their portable twins (several share a portable
+# format, so each gets its own layer), after two that are neither.
 INT8_ONLY = [
     GroupFormat(4, 32, True, 256),
     GroupFormat(6, 16, super_group=256),
-    GroupFormat(5, 32),
-    GroupFormat(5, 32, True),
+    GroupFormat(5, 32, half_scales=True),
+    GroupFormat(5, 32, True, half_scales=True),
+    GroupFormat(8, 32, half_scales=True),
+    GroupFormat(4, 32, True, half_scales=True),
 ]
-FORMATS = [
-    GroupFormat(4, 32),
-    GroupFormat(4, 32, True),
-    GroupFormat(8, 32),
-    GroupFormat(8, 32, True),
-    GroupFormat(8, 16, True),
-    GroupFormat(8, 16),
-    *INT8_ONLY,
-]
+FORMATS = [GroupFormat(4, 32), GroupFormat(8, 16, True), *INT8_ONLY]
+FORMATS += [f.portable for f in INT8_ONLY]
+# (int8-only, its twin) layer indices.
+PAIRS = [(2 + i, 2 + len(INT8_ONLY) + i) for i in range(len(INT8_ONLY))]
 # Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
 
@@ -81,8 +79,8 @@ def _weight(fmt: GroupFormat, rng: np.random.Generator) -> QuantizedTensor:
         names = ["scales", "offsets"][:parts] + ["super_scales", "super_offsets"][:parts]
         arrays = dict(zip(names, small + f16, strict=True))
         return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), **arrays)
-    scales = rng.uniform(0.01, 0.1, groups).astype(np.float32)
-    offsets = rng.normal(0, 0.2, groups).astype(np.float32) if fmt.asymmetric else None
+    scales = rng.uniform(0.01, 0.1, groups).astype(fmt.group_type)
+    offsets = rng.normal(0, 0.2, groups).astype(fmt.group_type) if fmt.asymmetric else None
     return QuantizedTensor(fmt, pack_codes(codes, fmt.bits), scales, offsets)
 
 
@@ -115,8 +113,7 @@ def test_int8_matmul_matches_numpy(cpu):
     rng = np.random.default_rng(0)
     weights = [_weight(fmt, rng) for fmt in FORMATS]
     # Each weight only this kernel reads, in its portable format: equal outputs, bit for bit.
-    pairs = [(FORMATS.index(f), FORMATS.index(f.portable)) for f in INT8_ONLY]
-    for two, one in pairs:
+    for two, one in PAIRS:
         weights[one] = to_portable(weights[two])
     mod, _ = _Linears(target).export_tvm(
         spec={"forward": {"x": nn.spec.Tensor(["m", K], "float32")}}
@@ -132,7 +129,7 @@ def test_int8_matmul_matches_numpy(cpu):
         ref = np.concatenate([reference(x, w) for w in weights], axis=-1)
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=rows)
         outs = out.reshape(rows, len(FORMATS), N)
-        for two, one in pairs:
+        for two, one in PAIRS:
             np.testing.assert_array_equal(outs[:, two], outs[:, one], err_msg=rows)
 
 

@@ -29,12 +29,12 @@ from mlc_spec.compiler.quantization import (
 
 SHAPE = (6, 512)
 EXPECTED_FORMAT = {
-    T.Q4_0: "q4g32",
-    T.Q4_1: "q4g32a",
+    T.Q4_0: "q4g32h",
+    T.Q4_1: "q4g32ah",
     T.Q4_K: "q4g32as256",
-    T.Q8_0: "q8g32",
-    T.Q5_0: "q5g32",
-    T.Q5_1: "q5g32a",
+    T.Q8_0: "q8g32h",
+    T.Q5_0: "q5g32h",
+    T.Q5_1: "q5g32ah",
     T.Q5_K: "q8g32a",
     T.Q6_K: "q6g16s256",
 }
@@ -159,7 +159,8 @@ def test_pack_refuses_bad_input() -> None:
 
 
 def test_format_names() -> None:
-    for name in ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256", "q6g16s256", "q5g32a"):
+    names = ("q4g32", "q4g32a", "q8g16", "q8g16a", "q4g32as256", "q6g16s256", "q5g32a", "q8g32h")
+    for name in names:
         assert GroupFormat.parse(name).name == name
     assert GroupFormat.parse("q4g32").zero == 8 and GroupFormat.parse("q8g16a").zero == 0
     assert GroupFormat.parse("q4g32as256") == GroupFormat(4, 32, True, 256)
@@ -168,6 +169,11 @@ def test_format_names() -> None:
     assert GroupFormat.parse("q5g32a").portable.name == "q8g32a"
     assert GroupFormat.parse("q4g32as256").portable.name == "q4g32a"
     assert GroupFormat.parse("q5g32").zero == 16
+    assert GroupFormat.parse("q5g32ah") == GroupFormat(5, 32, True, half_scales=True)
+    assert GroupFormat.parse("q5g32ah").portable.name == "q8g32a"
+    assert GroupFormat.parse("q8g32h").group_type is np.float16
+    with pytest.raises(ValueError, match="float16 group scales are for one-level formats"):
+        GroupFormat.parse("q4g32as256h")
     with pytest.raises(ValueError, match="5-bit codes come in groups of 32"):
         GroupFormat.parse("q5g16")
     with pytest.raises(ValueError, match="4, 5, 6 or 8 bits, got 3"):
@@ -256,6 +262,28 @@ def test_q4_k_keeps_its_integer_scales() -> None:
     assert to_portable(one) is one
 
 
+@pytest.mark.parametrize(
+    ("ggml_type", "bits", "portable_bits"),
+    [(T.Q8_0, 8.5, 9), (T.Q4_1, 5, 6), (T.Q5_0, 5.5, 9)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_one_level_types_keep_their_f16_scales(ggml_type: T, bits: float, portable_bits: int):
+    """Q8_0, Q4_1, Q5_0 ... load with GGUF's own f16 scale (and minimum) per 32, as many bits
+    per weight as the file; ``to_portable`` widens them to float32, value for value."""
+    shape = (4, 512)
+    data = _gguf_blocks(ggml_type, np.random.default_rng(9), shape)
+    qt = from_gguf(data, ggml_type, shape)
+    type_size = GGML_QUANT_SIZES[ggml_type][1]
+    d = data.reshape(-1, type_size)[:, 0:2].copy().view(np.float16).reshape(4, 16)
+    np.testing.assert_array_equal(qt.scales, d)
+    assert qt.scales.dtype == np.float16 and qt.fmt.half_scales
+    assert qt.nbytes * 8 == bits * 4 * 512
+    one = to_portable(qt)
+    assert not one.fmt.half_scales and one.scales.dtype == np.float32
+    assert one.nbytes * 8 == portable_bits * 4 * 512
+    np.testing.assert_array_equal(_bits(dequantize(one)), _bits(dequantize(qt)))
+
+
 def test_q6_k_keeps_its_integer_scales() -> None:
     """Q6_K loads as GGUF stores it: 6-bit codes, int8 sc per 16 under f16 d per 256, 6.5625 bits
     per weight against the 10 of q8g16; ``to_portable`` gives q8g16 value for value."""
@@ -316,7 +344,9 @@ def test_describe() -> None:
             "super_offsets": [[3, 1], "float16"],
         },
     }
-    assert describe(_gguf_tensor(T.Q4_1, 0))["tensors"]["scales"] == [[4, 8], "float32"]
+    q4_1 = _gguf_tensor(T.Q4_1, 0)
+    assert describe(q4_1)["tensors"]["scales"] == [[4, 8], "float16"]
+    assert describe(to_portable(q4_1))["tensors"]["scales"] == [[4, 8], "float32"]
     assert describe(_gguf_tensor(T.Q6_K, 0))["tensors"] == {
         "codes": [[4, 48], "uint32"],
         "scales": [[4, 16], "int8"],

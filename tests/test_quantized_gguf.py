@@ -76,12 +76,14 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_int8_formats_equal_portable(arch, request, tmp_path, monkeypatch):
-    """With int8 activations Q4_K and Q6_K stay two-level and Q5_0 keeps 5-bit codes, and they
-    compute bit for bit the logits of the same file compiled with their portable formats
-    (one-level ``q4g32a``, 8-bit ``q8g16`` / ``q8g32``, as the float path loads them): every
-    product of their decoding is exact. llama: fused Q4_K gate/up, a Q4_K embedding table that
-    the lookup decodes, a Q6_K LM head and down projection, a Q5_0 down projection; qwen2: a
-    tied Q6_K table, decoded by the lookup and the LM head alike."""
+    """With int8 activations Q4_K and Q6_K stay two-level, Q5_0 keeps 5-bit codes and the
+    one-level types their f16 scales, and they compute bit for bit the logits of the same file
+    compiled with their portable formats (one-level ``q4g32a``, 8-bit ``q8g16`` / ``q8g32``
+    with float32 scales, as the float path loads them): every product of their decoding is
+    exact. llama: fused Q4_K gate/up, a Q4_K embedding table that the lookup decodes, a Q6_K
+    LM head and down projection, a Q5_0 down projection; qwen2 (its first layer only, to keep
+    the suite short): a tied Q6_K table, decoded by the lookup and the LM head alike."""
+    layers = None if arch == "llama" else 1
     if arch == "llama":
         artifact = request.getfixturevalue("tiny_gguf_int8")
         path = artifact.parent / "tiny.gguf"
@@ -89,18 +91,26 @@ def test_gguf_int8_formats_equal_portable(arch, request, tmp_path, monkeypatch):
         override = {"model.embed_tokens.weight": T.Q6_K}
         path = write_mixed_gguf(tmp_path / "tiny.gguf", arch, override)
         artifact = compile_model(
-            path, "llvm", tmp_path / "two-level", show_progress=False, activations="int8"
+            path,
+            "llvm",
+            tmp_path / "two-level",
+            show_progress=False,
+            activations="int8",
+            num_layers=layers,
         )
     config = json.loads((artifact / "mlc-spec-config.json").read_text())
     formats = {p["weight"]: p["format"] for p in config["params"]}
-    assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "q4g32as256"
-    assert formats["model.layers.1.mlp.down_proj.weight"] == "q6g16s256"
-    assert formats["model.layers.0.mlp.down_proj.weight"] == "q5g32"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "q5g32h"
     assert formats["model.layers.0.self_attn.qkv_proj.weight.0"] == "q4g32as256"  # Q4_K q, k
     assert formats["model.layers.0.self_attn.qkv_proj.weight.1"] == "q6g16s256"  # Q6_K v
-    assert formats["model.layers.1.self_attn.qkv_proj.weight.0"] == "q8g32"  # Q8_0 q
-    assert formats["model.layers.1.self_attn.qkv_proj.weight.1"] == "q5g32"  # Q5_0 k
-    assert formats["model.layers.1.self_attn.qkv_proj.weight.2"] == "q5g32a"  # Q5_1 v
+    assert formats["model.layers.0.mlp.gate_up_proj.weight.0"] == "q4g32h"  # Q4_0 gate
+    assert formats["model.layers.0.mlp.gate_up_proj.weight.1"] == "q4g32ah"  # Q4_1 up
+    if arch == "llama":
+        assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "q4g32as256"
+        assert formats["model.layers.1.mlp.down_proj.weight"] == "q6g16s256"
+        assert formats["model.layers.1.self_attn.qkv_proj.weight.0"] == "q8g32h"  # Q8_0 q
+        assert formats["model.layers.1.self_attn.qkv_proj.weight.1"] == "q5g32h"  # Q5_0 k
+        assert formats["model.layers.1.self_attn.qkv_proj.weight.2"] == "q5g32ah"  # Q5_1 v
     table = {"llama": "q4g32as256", "qwen2": "q6g16s256"}[arch]
     assert formats["model.embed_tokens.weight"] == table
     assert formats.get("lm_head.weight", "tied") == {"llama": "q6g16s256", "qwen2": "tied"}[arch]
@@ -110,12 +120,17 @@ def test_gguf_int8_formats_equal_portable(arch, request, tmp_path, monkeypatch):
 
     monkeypatch.setattr(compile_module, "plan_quantization", portable)
     widened = compile_model(
-        path, "llvm", tmp_path / "portable", show_progress=False, activations="int8"
+        path,
+        "llvm",
+        tmp_path / "portable",
+        show_progress=False,
+        activations="int8",
+        num_layers=layers,
     )
     config = json.loads((widened / "mlc-spec-config.json").read_text())
     stored = {p["format"] for p in config["params"]}
     assert {"q4g32a", "q8g16", "q8g32"} <= stored
-    assert not {"q4g32as256", "q6g16s256", "q5g32"} & stored
+    assert not {"q4g32as256", "q6g16s256", "q5g32h", "q4g32h", "q4g32ah"} & stored
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     np.testing.assert_array_equal(_our_logits(artifact, seq), _our_logits(widened, seq))
 
@@ -130,7 +145,9 @@ def test_plan_keeps_fused_parts_apart_by_loaded_format():
     weights = {"model.layers.0.self_attn.qkv_proj.weight": (96, 32)}
     portable = plan_quantization(weights, stored, shapes, "as-source")
     assert portable == {
-        "model.layers.0.self_attn.qkv_proj.weight": Quantize(format_of(T.Q8_0), as_stored=True)
+        "model.layers.0.self_attn.qkv_proj.weight": Quantize(
+            format_of(T.Q8_0).portable, as_stored=True
+        )
     }
     apart = plan_quantization(weights, stored, shapes, "as-source", int8_formats=True)
     assert apart == {
@@ -138,7 +155,7 @@ def test_plan_keeps_fused_parts_apart_by_loaded_format():
         "model.layers.0.self_attn.qkv_proj.weight.1": Quantize(format_of(T.Q8_0), True, (k, v), 32),
     }
     segments = layer_layouts(apart)["model.layers.0.self_attn.qkv_proj.weight"]
-    assert [(s.rows, s.fmt.name) for s in segments] == [(64, "q5g32"), (32, "q8g32")]
+    assert [(s.rows, s.fmt.name) for s in segments] == [(64, "q5g32h"), (32, "q8g32h")]
     with pytest.raises(CompileError, match="have 96 rows, expected 80"):
         plan_quantization(
             {"model.layers.0.self_attn.qkv_proj.weight": (80, 32)},

@@ -11,6 +11,10 @@ with g = k // group_size, computed in float32 in exactly that order. Every GGUF 
 ``gguf_blocks`` maps loads into this rule without re-quantization, and the kernels decode the
 same expression, so numpy, GGUF and the compiled model agree value for value.
 
+GGUF's one-level types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) store their scale and minimum as
+float16; formats with ``half_scales`` (named e.g. ``q8g32h``) keep them so, as the int8 kernel
+reads them: 8.5 bits per 8-bit weight instead of 9, 5 per asymmetric 4-bit one instead of 6.
+
 *Two-level* formats (``super_group`` > 0, named e.g. ``q4g32as256``; GGUF's Q4_K) store the
 group scale and offset as small integers (uint8) under one float16 pair per super-group of
 ``super_group`` weights, as GGUF does:
@@ -63,6 +67,7 @@ class GroupFormat:
     group_size: int
     asymmetric: bool = False
     super_group: int = 0
+    half_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 5, 6, 8):
@@ -76,23 +81,26 @@ class GroupFormat:
             raise ValueError("6-bit codes exist only in the two-level format q6g16s256")
         if self.bits == 5 and self.group_size != 32:
             raise ValueError(f"5-bit codes come in groups of 32; got {self.name}")
+        if self.half_scales and self.super_group:
+            raise ValueError(f"float16 group scales are for one-level formats; got {self.name}")
 
     @property
     def group_type(self) -> type:
         """The numpy type of the stored group scales (and offsets)."""
         if self.super_group:
             return _TWO_LEVEL[(self.bits, self.group_size, self.asymmetric)]
-        return np.float32
+        return np.float16 if self.half_scales else np.float32
 
     @property
     def name(self) -> str:
         two_level = f"s{self.super_group}" if self.super_group else ""
-        return f"q{self.bits}g{self.group_size}{'a' if self.asymmetric else ''}{two_level}"
+        half = "h" if self.half_scales else ""
+        return f"q{self.bits}g{self.group_size}{'a' if self.asymmetric else ''}{two_level}{half}"
 
     @property
     def portable(self) -> GroupFormat:
         """The format every kernel reads that holds the same values: per-group scales and
-        offsets as float32, 5- and 6-bit codes widened to 8."""
+        offsets as float32 (float16 ones widened), 5- and 6-bit codes widened to 8."""
         return GroupFormat(4 if self.bits == 4 else 8, self.group_size, self.asymmetric)
 
     @property
@@ -102,12 +110,13 @@ class GroupFormat:
 
     @classmethod
     def parse(cls, name: str) -> GroupFormat:
-        match = re.fullmatch(r"q(\d+)g(\d+)(a?)(?:s(\d+))?", name)
+        match = re.fullmatch(r"q(\d+)g(\d+)(a?)(?:s(\d+))?(h?)", name)
         if match is None:
             raise ValueError(
-                f"not a group format name: {name!r} (expected e.g. q4g32, q8g16a, q4g32as256)"
+                f"not a group format name: {name!r} (expected e.g. q4g32, q8g16a, q4g32as256, "
+                "q8g32h)"
             )
-        return cls(int(match[1]), int(match[2]), bool(match[3]), int(match[4] or 0))
+        return cls(int(match[1]), int(match[2]), bool(match[3]), int(match[4] or 0), bool(match[5]))
 
 
 def _check_width(shape: tuple[int, ...], multiple: int, why: str) -> None:
@@ -124,11 +133,11 @@ def _check_format_width(shape: tuple[int, ...], fmt: GroupFormat) -> None:
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A [N, K] weight in ``fmt``: packed ``codes`` uint32 [N, K*bits/32], ``scales`` float32
-    [N, K/group_size] and ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None.
-    Two-level: ``scales`` and ``offsets`` are small integers (``fmt.group_type``) and
-    ``super_scales`` / ``super_offsets`` (asymmetric only) float16 [N, K/super_group] (None in
-    one-level formats)."""
+    """A [N, K] weight in ``fmt``: packed ``codes`` uint32 [N, K*bits/32], ``scales``
+    [N, K/group_size] of ``fmt.group_type`` (float32, or float16 with ``half_scales``) and
+    ``offsets`` like ``scales`` when ``fmt.asymmetric``, else None. Two-level: ``scales`` and
+    ``offsets`` are small integers and ``super_scales`` / ``super_offsets`` (asymmetric only)
+    float16 [N, K/super_group] (None in one-level formats)."""
 
     fmt: GroupFormat
     codes: np.ndarray
@@ -245,6 +254,9 @@ def to_portable(qt: QuantizedTensor) -> QuantizedTensor:
     if fmt == portable:
         return qt
     scales, offsets = qt.scales, qt.offsets
+    if fmt.half_scales:  # float16 -> float32 is exact
+        scales = scales.astype(np.float32)
+        offsets = None if offsets is None else offsets.astype(np.float32)
     if fmt.super_group:
         ratio = fmt.super_group // fmt.group_size
 

@@ -6,7 +6,8 @@ multiplied out (``d * sc``, ``-(dmin * m)``) they are the per-group scale and of
 with the same float32 operations as ``gguf.quants``, so ``dequantize(from_gguf(...))`` equals
 ``gguf.quants.dequantize(...)`` value for value. Q4_K and Q6_K keep them as stored instead,
 in the two-level formats (Q4_K: sc and m as uint8 under d and -dmin; Q6_K: 6-bit codes, int8
-sc under d), which decode to the same values; Q5_0 and Q5_1 keep their 5-bit codes.
+sc under d), which decode to the same values; Q5_0 and Q5_1 keep their 5-bit codes, and the
+one-level types their float16 scales and minimums (``half_scales``).
 Block layouts follow ``gguf/quants.py``.
 """
 
@@ -34,11 +35,6 @@ class UnsupportedTensorType(ValueError):
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The f16 at byte ``start`` of each block, as float32 [B, 1]."""
-    return _f16_stored(blocks, start).astype(np.float32)
-
-
-def _f16_stored(blocks: np.ndarray, start: int) -> np.ndarray:
     """The f16 at byte ``start`` of each block, as stored: float16 [B, 1]."""
     return blocks[:, start : start + 2].copy().view(np.float16)
 
@@ -90,8 +86,8 @@ def _k_scales(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "scales": sc,
         "offsets": mins,
-        "super_scales": _f16_stored(blocks, 0),
-        "super_offsets": -_f16_stored(blocks, 2),
+        "super_scales": _f16(blocks, 0),
+        "super_offsets": -_f16(blocks, 2),
     }
 
 
@@ -119,16 +115,16 @@ def _q6_k(blocks: np.ndarray) -> _Decoded:
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts).reshape(n, 8, 32) & np.uint8(3)
     codes = low | (high << np.uint8(4))  # q + 32: the format's zero is 32
     sc = blocks[:, 192:208].view(np.int8)
-    return codes.reshape(n, 256), {"scales": sc, "super_scales": _f16_stored(blocks, 208)}
+    return codes.reshape(n, 256), {"scales": sc, "super_scales": _f16(blocks, 208)}
 
 
 _DECODERS: dict[GGMLQuantizationType, tuple[GroupFormat, Callable[[np.ndarray], _Decoded]]] = {
-    T.Q4_0: (GroupFormat(4, 32), _q4_0),
-    T.Q4_1: (GroupFormat(4, 32, asymmetric=True), _q4_1),
+    T.Q4_0: (GroupFormat(4, 32, half_scales=True), _q4_0),
+    T.Q4_1: (GroupFormat(4, 32, asymmetric=True, half_scales=True), _q4_1),
     T.Q4_K: (GroupFormat(4, 32, asymmetric=True, super_group=256), _q4_k),
-    T.Q8_0: (GroupFormat(8, 32), _q8_0),
-    T.Q5_0: (GroupFormat(5, 32), _q5_0),
-    T.Q5_1: (GroupFormat(5, 32, asymmetric=True), _q5_1),
+    T.Q8_0: (GroupFormat(8, 32, half_scales=True), _q8_0),
+    T.Q5_0: (GroupFormat(5, 32, half_scales=True), _q5_0),
+    T.Q5_1: (GroupFormat(5, 32, asymmetric=True, half_scales=True), _q5_1),
     T.Q5_K: (GroupFormat(8, 32, asymmetric=True), _q5_k),
     T.Q6_K: (GroupFormat(6, 16, super_group=256), _q6_k),
 }
