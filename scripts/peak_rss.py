@@ -1,9 +1,11 @@
 """Peak resident memory (RSS) of a child process: a command, or an mlc-spec engine that loads and
 generates.
 
-Measured in a child so that nothing the benchmark process itself holds (a second model, torch)
-counts. Run directly, it is that child: it loads ``LLM(TARGET, draft_model=DRAFT)``, generates
-greedily from a prompt and exits; the parent reads the kernel's ``ru_maxrss`` of it.
+Measured in a child so that nothing the benchmark process itself holds (a second model, torch,
+a model it just compiled) counts. Run directly, it is that child: it loads
+``LLM(TARGET, draft_model=DRAFT)``, generates greedily from a prompt and prints its own peak
+(``VmHWM``: its address space since ``exec``), which the parent reads. For other commands the
+parent reads the kernel's ``ru_maxrss`` of the child, which includes its own RSS at the fork.
 
     python scripts/peak_rss.py TARGET_ARTIFACT [--draft DRAFT_ARTIFACT] [--prompt-len 128]
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TAIL_LINES = 20  # of a failed child's stderr, in the error
+_PEAK_LINE = "peak RSS KiB: "  # how the engine child reports its peak
 
 
 class ChildFailed(RuntimeError):
@@ -59,7 +62,14 @@ def engine_peak_rss(
     cmd += ["--max-tokens", str(max_tokens)]
     if draft is not None:
         cmd += ["--draft", str(draft)]
-    return run_measured(cmd).peak_rss
+    out = run_measured(cmd).stdout
+    return int(out.rpartition(_PEAK_LINE)[2].split()[0]) * 1024
+
+
+def _own_peak_kib() -> int:
+    """This process's peak RSS since ``exec``, in KiB (``VmHWM`` of /proc/self/status)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.partition("VmHWM:")[2].split()[0])
 
 
 def gib(size: int) -> str:
@@ -78,6 +88,7 @@ def main() -> None:
     llm = LLM(args.target, draft_model=args.draft, max_batch_size=1, max_total_len=2048)
     prompt = list(range(1000, 1000 + args.prompt_len))  # ordinary vocabulary ids
     llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    print(f"{_PEAK_LINE}{_own_peak_kib()}")
 
 
 if __name__ == "__main__":
