@@ -29,7 +29,7 @@ from .errors import CompileError
 from .int8_matmul import Int8Matmul, check_activations
 from .pipeline import relax_pipeline
 from .progress import Progress
-from .quantization.plan import Quantize, layer_layouts, plan_quantization
+from .quantization.plan import Quantize, layer_layouts, plan_quantization, requantize_lm_head
 from .sampler import attach_sampler
 from .sources import ModelSource, load_source
 from .targets import (
@@ -55,6 +55,7 @@ def compile_model(
     quantization: str | None = None,
     cpu: str = "native",
     activations: str = "float",
+    lm_head: str | None = None,
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
     ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
@@ -63,7 +64,9 @@ def compile_model(
     whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory);
     ``cpu`` is the CPU an llvm artifact is built for (``native`` or e.g. ``x86-64-v3``);
     ``activations`` ``int8`` quantizes the activations of the quantized linear layers for
-    integer dot products (``compiler/int8_matmul.py``; llvm only), ``float`` keeps them.
+    integer dot products (``compiler/int8_matmul.py``; llvm only), ``float`` keeps them;
+    ``lm_head`` (``q4`` / ``q8``) group-quantizes the LM head anew, for a draft model
+    (``requantize_lm_head``).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -92,14 +95,17 @@ def compile_model(
     quantization = quantization or ("as-source" if source.stored_formats else "none")
     module = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
     module.to(cfg.dtype)
+    weights = quantizable_weights(module)
     plan = plan_quantization(
-        quantizable_weights(module),
+        weights,
         source.stored_formats,
         source.stored_shapes,
         quantization,
         float_panels=target == "llvm",
         int8_formats=activations == "int8",
     )
+    if lm_head is not None:
+        plan = requantize_lm_head(plan, weights, lm_head)
     if activations == "int8" and not any(how.fmt for how in plan.values()):
         raise CompileError(
             f"--activations int8 applies to quantized weights; --quantization {quantization} "

