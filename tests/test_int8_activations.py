@@ -59,6 +59,7 @@ def _check_agreement(float_artifact, int8_artifact, min_agreement: float) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~2 minutes (a compile and 2000 positions twice): keeps the suite under 20
 def test_smollm2_int8_agrees_with_float(smollm2):
     int8 = compiled("smollm2-135m-instruct", activations="int8")
     _check_agreement(smollm2, int8, SMOLLM2_MIN_AGREEMENT)
