@@ -119,9 +119,14 @@ def plan_quantization(
         )
     fmt = GroupFormat(int(quantization[1:]), _GROUP_SIZE)
     for weight, (_, k) in weights.items():
-        if k % _GROUP_SIZE:
-            raise CompileError(f"{weight} has {k} columns, not a multiple of {_GROUP_SIZE}")
+        _check_groups(weight, k)
     return {weight: Quantize(fmt) for weight in weights}
+
+
+def _check_groups(weight: str, k: int) -> None:
+    """One line refusing a weight whose rows do not split into groups of ``_GROUP_SIZE``."""
+    if k % _GROUP_SIZE:
+        raise CompileError(f"{weight} has {k} columns, not a multiple of {_GROUP_SIZE}")
 
 
 def requantize_lm_head(
@@ -138,6 +143,5 @@ def requantize_lm_head(
             f"{', '.join(LM_HEAD_QUANTIZATIONS)}"
         )
     name = next(n for n in _LM_HEADS if n in weights)
-    if weights[name][1] % _GROUP_SIZE:
-        raise CompileError(f"{name} has {weights[name][1]} columns, not a multiple of 32")
+    _check_groups(name, weights[name][1])
     return {**plan, name: Quantize(GroupFormat(int(lm_head[1:]), _GROUP_SIZE))}
