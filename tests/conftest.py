@@ -93,6 +93,18 @@ def tiny_qwen2(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
 
 
+# A vocabulary small enough to enumerate the joint law of three sampled tokens (512 cells).
+SMALL_VOCAB = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_v8(tmp_path_factory) -> TinyModel:
+    """A tiny Llama over ``SMALL_VOCAB`` tokens: sampling tests enumerate its distributions, and
+    as a draft of the others it has another vocabulary."""
+    hf = make_tiny_model(tiny_config("llama", vocab_size=SMALL_VOCAB), seed=11)
+    return TinyModel(tmp_path_factory.mktemp("tiny_llama_v8"), "llama", hf=hf)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_q4(tmp_path_factory) -> TinyModel:
     return TinyModel(tmp_path_factory.mktemp("tiny_llama_q4"), "llama", quantization="q4")

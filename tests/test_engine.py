@@ -172,12 +172,9 @@ def test_bad_input_is_rejected_without_leaks(tiny_llama, tiny_qwen2, tmp_path):
         LLM(tiny_llama.artifact, speculative={"method": "draft"})
 
 
-def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tmp_path):
-    from conftest import TinyModel
-
-    other = TinyModel(tmp_path, "llama", seed=3, vocab_size=VOCAB + 16)
+def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tiny_llama_v8):
     with pytest.raises(UserError, match="vocabulary"):
-        LLM(tiny_llama.artifact, draft_model=other.artifact)
+        LLM(tiny_llama.artifact, draft_model=tiny_llama_v8.artifact)
 
 
 def test_interrupted_stream_frees_its_pages(tiny_llama):

@@ -9,16 +9,16 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import TinyModel
+from conftest import SMALL_VOCAB, TinyModel
 from policies import RandomK
 from sampling_oracle import probs_for
 from stats import chi2_rejects
-from tiny_models import make_tiny_model, perturbed_copy, tiny_config
+from tiny_models import perturbed_copy
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.runtime.sampler import Sampler
 
-V = 8  # a vocabulary small enough to check the joint law of three tokens (512 cells)
+V = SMALL_VOCAB
 PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repeats, so prompt lookup proposes too
 SAMPLES = 3000
 PARAMS = {
@@ -28,14 +28,12 @@ PARAMS = {
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[TinyModel, TinyModel]:
-    target_hf = make_tiny_model(tiny_config("llama", vocab_size=V), seed=11)
-    target = TinyModel(tmp_path_factory.mktemp("v8_target"), "llama", hf=target_hf)
+def pair(tiny_llama_v8, tmp_path_factory) -> tuple[TinyModel, TinyModel]:
     # Different enough that many drafts are rejected (the residual path matters).
     draft = TinyModel(
-        tmp_path_factory.mktemp("v8_draft"), "llama", hf=perturbed_copy(target_hf, 0.15)
+        tmp_path_factory.mktemp("v8_draft"), "llama", hf=perturbed_copy(tiny_llama_v8.hf, 0.15)
     )
-    return target, draft
+    return tiny_llama_v8, draft
 
 
 @torch.no_grad()
