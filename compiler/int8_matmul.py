@@ -62,22 +62,28 @@ _LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
 # vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
 _INT16_SUMS = 8
-# The most rows for which a panel sweep takes several vectors at once (``matmul_func``).
-_SHARED_SWEEP_ROWS = 4
 
 
 @dataclass(frozen=True)
 class IntegerDot:
     """One CPU's integer dot product: ``lanes`` int32 lanes per vector register,
-    ``registers`` vector registers, ``max_rows`` rows a kernel pass takes at most (the code
-    vectors of a group, and per row an int32 and a float32 accumulator, fit the registers;
-    each row's address is one offset from a base, so the general registers hold), and the
-    LLVM intrinsics computing per lane the sum of 4
-    u8 x s8 products: ``vnni`` (vpdpbusd, acc + dot, exact), or ``maddubs`` (vpmaddubsw:
-    pair sums, saturating int16) followed by ``maddwd`` (vpmaddwd: int16 pairs -> int32)."""
+    ``widths[r - 1]`` the vectors of a panel that one sweep takes for r rows (1 beyond the
+    tuple), ``max_rows`` rows a kernel pass takes at most (each row's address is one offset
+    from a base, so the general registers hold), and the LLVM intrinsics computing per lane
+    the sum of 4 u8 x s8 products: ``vnni`` (vpdpbusd, acc + dot, exact), or ``maddubs``
+    (vpmaddubsw: pair sums, saturating int16) followed by ``maddwd`` (vpmaddwd: int16 pairs
+    -> int32).
+
+    The widths keep a sweep's int32 and float32 accumulators of every row and the decoded
+    codes in registers where they fit: 2 x rows x width + 6 <= 32 with AVX-512. AVX2 has 16,
+    yet on Zen 3 sweeps of 4, 4, 2, 2 vectors for 1-4 rows took 0.81-0.93x the time of that
+    rule's 4, 2, 1, 1 at 3-4 rows, even at 2 (Qwen2.5-1.5B's Q4_K gate/up and Q6_K down
+    alone): a spilled accumulator costs less than a code vector decoded once more per sweep.
+    AVX-VNNI (16 registers too) keeps the rule, unmeasured.
+    """
 
     lanes: int
-    registers: int
+    widths: tuple[int, ...]
     max_rows: int
     vnni: str | None = None
     maddubs: str | None = None
@@ -173,21 +179,26 @@ class IntegerDot:
 
 # (LLVM CPU features, integer dot) from best to worst.
 _INTEGER_DOTS = (
-    (("avx512vnni", "avx512bw"), IntegerDot(16, 32, 8, vnni="llvm.x86.avx512.vpdpbusd.512")),
+    (
+        ("avx512vnni", "avx512bw"),
+        IntegerDot(16, (4, 4, 4, 2), 8, vnni="llvm.x86.avx512.vpdpbusd.512"),
+    ),
     (
         ("avx512bw",),
         IntegerDot(
             16,
-            32,
+            (4, 4, 4, 2),
             8,
             maddubs="llvm.x86.avx512.pmaddubs.w.512",
             maddwd="llvm.x86.avx512.pmaddw.d.512",
         ),
     ),
-    (("avxvnni",), IntegerDot(8, 16, 4, vnni="llvm.x86.avx512.vpdpbusd.256")),
+    (("avxvnni",), IntegerDot(8, (4, 2, 1, 1), 4, vnni="llvm.x86.avx512.vpdpbusd.256")),
     (
         ("avx2",),
-        IntegerDot(8, 16, 4, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"),
+        IntegerDot(
+            8, (4, 4, 2, 2), 4, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"
+        ),
     ),
 )
 
@@ -447,20 +458,16 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
 
         def exact(rows: int) -> None:
             """m == rows <= the largest tile: every weight vector read once per call. A panel
-            is swept once per as many of its vectors as leave registers for their int32 and
-            float32 accumulators of every row (all 4 AVX-512 vectors for 1-3 rows, 2 for 4), and
+            is swept once per ``dot.widths`` of its vectors (all 4 AVX-512 vectors for 1-3
+            rows, 2 for 4), and
             one vector per sweep from 5 rows on: two vectors' decoded codes (16 registers for
             4-bit) and their rows' accumulators crowd the 32 registers, and Qwen2.5-1.5B
             verified 5 and 6 tokens 14-16% faster with one (4-bit gate/up alone: 20-35%;
             docs/quantization.md). On Zen 4 these sweeps took 0.69-0.95x the time of one sweep
             over all vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's
             shapes."""
-            width = max(
-                w
-                for w in range(1, vectors + 1)
-                if vectors % w == 0 and 2 * rows * w <= dot.registers - 6
-            )
-            width = width if rows <= _SHARED_SWEEP_ROWS else 1
+            most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1
+            width = max(w for w in range(1, most + 1) if vectors % w == 0)
             with T.parallel(0, panels) as p:
                 for first in range(0, vectors, width):
                     in_registers(p, list(range(first, first + width)), rows, 0)
