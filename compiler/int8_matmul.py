@@ -459,9 +459,9 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         def exact(rows: int) -> None:
             """m == rows <= the largest tile: every weight vector read once per call. A panel
             is swept once per ``dot.widths`` of its vectors (all 4 AVX-512 vectors for 1-3
-            rows, 2 for 4), and
-            one vector per sweep from 5 rows on: two vectors' decoded codes (16 registers for
-            4-bit) and their rows' accumulators crowd the 32 registers, and Qwen2.5-1.5B
+            rows, 2 for 4), and one vector per sweep from 5 rows on: two vectors' decoded
+            codes (16 registers for 4-bit) and their rows' accumulators crowd the 32
+            registers, and Qwen2.5-1.5B
             verified 5 and 6 tokens 14-16% faster with one (4-bit gate/up alone: 20-35%;
             docs/quantization.md). On Zen 4 these sweeps took 0.69-0.95x the time of one sweep
             over all vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's
