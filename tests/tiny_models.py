@@ -3,6 +3,7 @@ model itself is the reference, and its saved directory is what ``mlc-spec compil
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -73,21 +74,29 @@ def quantize_dequantize(model: torch.nn.Module, bits: int) -> torch.nn.Module:
     return copy
 
 
-def fake_quantize_activations(model: torch.nn.Module, group: int = 32) -> torch.nn.Module:
+def fake_quantize_activations(
+    model: torch.nn.Module, group: int | Mapping[str, int] = 32
+) -> torch.nn.Module:
     """``model`` with the input of every linear layer quantized to int8 per row and group of
     ``group`` and back (scale amax / 127, round half to even): the float model that an
-    ``--activations int8`` artifact of it computes with integer dot products."""
+    ``--activations int8`` artifact of it computes with integer dot products. A mapping gives
+    each layer (by module name) its weight format's group; layers it does not name keep float
+    inputs, as float weights do."""
 
-    def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-        amax = g.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-        return (torch.round(g * inv) * (amax / 127)).reshape(x.shape), *args[1:]
+    def quantizer(size: int) -> Callable:
+        def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            g = x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+            amax = g.abs().amax(-1, keepdim=True)
+            inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+            return (torch.round(g * inv) * (amax / 127)).reshape(x.shape), *args[1:]
 
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(quantize)
+        return quantize
+
+    for name, module in model.named_modules():
+        size = group.get(name) if isinstance(group, Mapping) else group
+        if isinstance(module, torch.nn.Linear) and size is not None:
+            module.register_forward_pre_hook(quantizer(size))
     return model
 
 
