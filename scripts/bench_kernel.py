@@ -1,0 +1,187 @@
+"""The int8 matmul kernel alone on Qwen2.5-1.5B's shapes: this tree's against a git revision's.
+
+A kernel change that saves 10% of a layer is lost in a whole-model run on a shared machine, whose
+rounds differ by as much. Here both versions of ``compiler/int8_matmul.py`` compile the same
+weight shapes for this CPU and take turns call by call on random weights in the stored layout,
+each version cycling over enough copies that every call reads its weights from DRAM, as a decode
+step does. Prints milliseconds per call, the weight bytes read per second, and B / A (B is this
+tree, A the revision).
+
+    python scripts/bench_kernel.py --against REV [--rows 1,2,3,4,8] [--rounds 12]
+        [--shapes gate_up,down,qkv] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+from benchdoc import machine_context, start_load, usable_cores, write_section
+from gguf import GGMLQuantizationType as T
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL = "compiler/int8_matmul.py"
+# Weight copies per version span at least this much, so no call finds its weights in cache.
+RESIDENT_BYTES = 256 << 20
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M's linear layers: (GGUF type, rows, columns).
+SHAPES = {
+    "gate_up": (T.Q4_K, 17920, 1536),
+    "down": (T.Q6_K, 1536, 8960),
+    "qkv": (T.Q4_K, 2048, 1536),
+    "o": (T.Q4_K, 1536, 1536),
+}
+
+
+def kernel_at(rev: str) -> ModuleType:
+    """``compiler/int8_matmul.py`` as of git revision ``rev``, imported beside this tree's."""
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:{KERNEL}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    name = f"mlc_spec.compiler.int8_matmul_at_{rev.replace('~', '_').replace('^', '_')}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__package__ = "mlc_spec.compiler"
+    sys.modules[name] = module
+    exec(compile(source, f"{rev}:{KERNEL}", "exec"), module.__dict__)
+    return module
+
+
+@dataclass
+class Kernel:
+    """One version's compiled kernel for one shape, and the weight copies it cycles over."""
+
+    func: object
+    call: object
+    weights: list[dict]
+    weight_bytes: int
+
+    def argument_lists(self, activations: dict) -> list[list]:
+        """The kernel's arguments in order, once per weight copy."""
+        count = len(self.func.params)
+        return [[{**activations, **copy}[i] for i in range(count)] for copy in self.weights]
+
+
+def random_arguments(func, m: int, rng: np.random.Generator) -> tuple[dict, dict]:
+    """(activation arguments, weight arguments) by position in ``func``'s parameters, M = m:
+    int8 activations, any bits for codes, small positive scales, a zeroed output."""
+    import tvm
+
+    activations, weights = {}, {}
+    last = len(func.params) - 1
+    for i, param in enumerate(func.params):
+        dynamic = any(not isinstance(d, tvm.tirx.IntImm) for d in param.shape)
+        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else m for d in param.shape]
+        dtype = str(param.dtype)
+        if i == last:
+            value = np.zeros(shape, dtype)
+        elif dtype == "int8":
+            value = rng.integers(-127, 128, shape).astype(dtype)
+        elif dtype == "uint32":
+            value = rng.integers(0, 2**32, shape, dtype=np.uint32)
+        elif dtype.startswith(("int", "uint")):
+            value = rng.integers(1, 60, shape).astype(dtype)
+        else:
+            value = rng.uniform(0, 0.01, shape).astype(dtype)
+        (activations if dynamic else weights)[i] = tvm.runtime.tensor(value)
+    return activations, weights
+
+
+def build(module: ModuleType, target, kind: str, rng: np.random.Generator) -> Kernel:
+    """Compile ``module``'s kernel for shape ``kind`` and lay out its weight copies."""
+    import tvm
+
+    from mlc_spec.compiler.quantization import format_of
+    from mlc_spec.models.quantized import panel_width
+
+    ggml_type, n, k = SHAPES[kind]
+    dot = module.integer_dot(target)
+    func = module.matmul_func(dot, format_of(ggml_type), n, k, panel_width(n))
+    func = func.with_attr("global_symbol", "main")
+    call = tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
+    _, first = random_arguments(func, 1, rng)
+    weight_bytes = sum(t.numpy().nbytes for t in first.values())
+    copies = max(2, math.ceil(RESIDENT_BYTES / weight_bytes))
+    weights = [first] + [random_arguments(func, 1, rng)[1] for _ in range(copies - 1)]
+    return Kernel(func, call, weights, weight_bytes)
+
+
+def time_round(call, argument_lists: list[list]) -> float:
+    """Seconds per call over one pass through the weight copies."""
+    start = time.perf_counter()
+    for arguments in argument_lists:
+        call(*arguments)
+    return (time.perf_counter() - start) / len(argument_lists)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, help="git revision of the baseline (A)")
+    parser.add_argument("--rows", default="1,2,3,4,8", help="activation rows M; default 1,2,3,4,8")
+    parser.add_argument("--shapes", default="gate_up,down", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
+    parser.add_argument("--write", type=Path, help="record the table in this markdown file")
+    args = parser.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    import tvm
+
+    from mlc_spec.compiler import int8_matmul
+    from mlc_spec.compiler.targets import make_target
+
+    load = start_load()
+    target = make_target("llvm")
+    versions = {"A": kernel_at(args.against), "B": int8_matmul}
+    rows = [int(r) for r in args.rows.split(",")]
+    rng = np.random.default_rng(0)
+    table = ["| shape | M | A ms | B ms | A GB/s | B GB/s | B / A |", "|---|---:|" + "---:|" * 5]
+    for kind in args.shapes.split(","):
+        kernels = {v: build(module, target, kind, rng) for v, module in versions.items()}
+        for m in rows:
+            activations, _ = random_arguments(kernels["A"].func, m, rng)
+            calls = {v: (k.call, k.argument_lists(activations)) for v, k in kernels.items()}
+            times = {v: [] for v in kernels}
+            for _ in range(args.rounds + 1):  # the first round warms up and is dropped
+                for v, (call, argument_lists) in calls.items():
+                    times[v].append(time_round(call, argument_lists))
+            a, b = (float(np.median(times[v][1:])) for v in ("A", "B"))
+            gbs = [kernels[v].weight_bytes / t / 1e9 for v, t in (("A", a), ("B", b))]
+            line = (
+                f"| {kind} {SHAPES[kind][0].name} {SHAPES[kind][1]}x{SHAPES[kind][2]} | {m} "
+                f"| {a * 1e3:.3f} | {b * 1e3:.3f} | {gbs[0]:.1f} | {gbs[1]:.1f} | {b / a:.3f} |"
+            )
+            table.append(line)
+            print(line, flush=True)
+    context = machine_context(load, f"TVM {tvm.__version__}", f"{args.threads} threads")
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    section = "\n".join(
+        [
+            "## Int8 matmul kernel alone (`scripts/bench_kernel.py`)",
+            "",
+            *context,
+            f"- A: `{KERNEL}` at `{args.against}`; B: this tree (HEAD `{head}`)",
+            f"- Medians of {args.rounds} alternating rounds (one warm-up round dropped); each "
+            f"call reads its weights from DRAM (copies spanning {RESIDENT_BYTES >> 20} MiB)",
+            "",
+            *table,
+        ]
+    )
+    print(section)
+    if args.write:
+        write_section(args.write, "bench_kernel", section)
+
+
+if __name__ == "__main__":
+    main()
