@@ -38,6 +38,11 @@ SHAPES = {
     "down": (T.Q6_K, 1536, 8960),
     "qkv": (T.Q4_K, 2048, 1536),
     "o": (T.Q4_K, 1536, 1536),
+    # SmolLM2-135M-Instruct's (Q4_1): 9 and 15 panels of 64 rows for o/down and q/k/v.
+    "smol_gate_up": (T.Q4_1, 3072, 576),
+    "smol_down": (T.Q4_1, 576, 1536),
+    "smol_o": (T.Q4_1, 576, 576),
+    "smol_qkv": (T.Q4_1, 960, 576),
 }
 
 
