@@ -466,7 +466,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
             over all vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's
             shapes. The threads share the (panel, sweep) pairs rather than the panels, so
             that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly: SmolLM2
-            decoded 8% faster on an AVX2 Zen 3."""
+            decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
             most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1
             width = max(w for w in range(1, most + 1) if vectors % w == 0)
             sweeps = vectors // width

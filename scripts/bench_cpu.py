@@ -155,13 +155,15 @@ def measure(
     """Median figures per backend over ``repeats`` rounds.
 
     The backends take turns round by round, so that the load of a shared machine, which drifts
-    over seconds to minutes, weighs on both alike and the ratios stay fair; ``each_round`` runs
-    once per round after them (another system's turn). One extra leading round warms caches,
-    allocators and thread pools and is dropped.
+    over seconds to minutes, weighs on both alike and the ratios stay fair; the order reverses
+    every other round, as going second was worth 1-5% in an A/A run of identical kernels
+    (``bench_kernel.py``). ``each_round`` runs once per round after them (another system's
+    turn). One extra leading round warms caches, allocators and thread pools and is dropped.
     """
     rounds: list[list[Figures]] = [[] for _ in backends]
-    for _ in range(repeats + 1):
-        for backend, samples in zip(backends, rounds, strict=True):
+    for round_ in range(repeats + 1):
+        turns = list(zip(backends, rounds, strict=True))
+        for backend, samples in turns[::-1] if round_ % 2 else turns:
             samples.append(one_round(backend, prompt, continuation))
         if each_round is not None:
             each_round()
