@@ -44,6 +44,9 @@ SHAPES = {
     "smol_down": (T.Q4_1, 576, 1536),
     "smol_o": (T.Q4_1, 576, 576),
     "smol_qkv": (T.Q4_1, 960, 576),
+    # 8-bit LM heads: SmolLM2's (tied) table and Qwen2.5-Coder-0.5B's, the draft's.
+    "smol_head": (T.Q8_0, 49152, 576),
+    "draft_head": (T.Q8_0, 151936, 896),
 }
 
 
