@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
     parser.add_argument("--write", type=Path, help="record the table in this markdown file")
     args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown --shapes {', '.join(sorted(unknown))} (known: {', '.join(SHAPES)})")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import tvm
 
