@@ -64,7 +64,9 @@ from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 T = TypeVar("T")
 WARMUP_TOKENS = 8
 DRAFT_LENGTHS = range(1, 9)
-STEP_COST_ROUNDS = 5  # medians of the step costs behind the acceptance bound
+STEP_COST_ROUNDS = 9  # medians of the step costs behind the acceptance bound
+# Calls averaged per sample, under the median over rounds: one call per sample was noisy.
+STEP_COST_CALLS = 4
 # name: (table label, our `speculative` argument)
 OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "nospec": ("mlc-spec, no speculation", None),
@@ -248,16 +250,20 @@ def step_costs(target: Path, draft: Path, prompt: list[int]) -> StepCosts:
     ours.prefill(prompt)
     small.prefill(prompt)
     tokens = prompt[: max(DRAFT_LENGTHS) + 1]
+
+    def mean_ms(call: Callable[[list[int]], None], model: Compiled, n: int) -> float:
+        """``call`` of the first n tokens, ``STEP_COST_CALLS`` times, rolled back each time."""
+        samples = []
+        for _ in range(STEP_COST_CALLS):
+            samples.append(timed_ms(call, tokens[:n]))
+            model.rollback(n)
+        return statistics.fmean(samples)
+
     rounds: list[tuple[float, float, dict[int, float]]] = []
     for _ in range(STEP_COST_ROUNDS + 1):
-        decode = timed_ms(ours.decode, tokens[0])
-        ours.rollback(1)
-        draft_ms = timed_ms(small.decode, tokens[0])
-        small.rollback(1)
-        verify = {}
-        for k in DRAFT_LENGTHS:
-            verify[k] = timed_ms(ours.multi_query, tokens[: k + 1])
-            ours.rollback(k + 1)
+        decode = mean_ms(lambda t: ours.decode(t[0]), ours, 1)
+        draft_ms = mean_ms(lambda t: small.decode(t[0]), small, 1)
+        verify = {k: mean_ms(ours.multi_query, ours, k + 1) for k in DRAFT_LENGTHS}
         rounds.append((decode, draft_ms, verify))
     rounds = rounds[1:]
     return StepCosts(
@@ -414,7 +420,8 @@ def step_cost_note(costs: StepCosts) -> list[str]:
         "Acceptance bound of draft length k: mean accepted length / (k x c_draft + "
         "c_verify(k)), the speed-up over plain decoding if a step cost nothing but k draft "
         "decode steps and one verification of k + 1 tokens. Step costs measured in this run "
-        f"with the same artifacts at the context of the first prompt (medians of "
+        f"with the same artifacts at the context of the first prompt (each the mean of "
+        f"{STEP_COST_CALLS} calls; medians of "
         f"{STEP_COST_ROUNDS} rounds): target decode step {costs.decode_ms:.1f} ms, c_draft = "
         f"draft decode step / target step = {costs.draft_ms / costs.decode_ms:.2f}, c_verify "
         f"= verify of k + 1 tokens / target step: {verify}. The measured speed-up also pays "
