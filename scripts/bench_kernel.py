@@ -1,4 +1,4 @@
-"""The int8 matmul kernel alone on Qwen2.5-1.5B's shapes: this tree's against a git revision's.
+"""The int8 matmul kernel alone on real models' shapes: this tree's against a git revision's.
 
 A kernel change that saves 10% of a layer is lost in a whole-model run on a shared machine, whose
 rounds differ by as much. Here both versions of ``compiler/int8_matmul.py`` compile the same
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "compiler/int8_matmul.py"
 # Weight copies per version span at least this much, so no call finds its weights in cache.
 RESIDENT_BYTES = 256 << 20
-# Qwen2.5-Coder-1.5B-Instruct Q4_K_M's linear layers: (GGUF type, rows, columns).
+# (GGUF type, rows, columns); first Qwen2.5-Coder-1.5B-Instruct Q4_K_M's linear layers.
 SHAPES = {
     "gate_up": (T.Q4_K, 17920, 1536),
     "down": (T.Q6_K, 1536, 8960),

@@ -4,8 +4,6 @@ of the same file runs; unsupported types and inapplicable flags are refused clea
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -30,6 +28,7 @@ from mlc_spec.compiler.quantization.plan import (
     requantize_lm_head,
 )
 from mlc_spec.compiler.sources import load_source
+from mlc_spec.runtime.artifact import read_config
 from mlc_spec.runtime.model import Model
 
 # A fused weight whose parts the file stores in different formats is kept in segments, one
@@ -76,9 +75,8 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
     artifact = compile_model(
         path, "llvm", tmp_path / "artifact", show_progress=False, lm_head=lm_head
     )
-    config = json.loads((artifact / "mlc-spec-config.json").read_text())
-    assert config["quantization"] == "as-source"
-    formats = {p["weight"]: p["format"] for p in config["params"]}
+    assert read_config(artifact)["quantization"] == "as-source"
+    formats = _stored_formats(artifact)
     expected = dict(EXPECTED_FORMATS)
     if arch == "qwen2":
         del expected["lm_head.weight"]
@@ -165,8 +163,7 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
 
 
 def _stored_formats(artifact) -> dict[str, str]:
-    config = json.loads((artifact / "mlc-spec-config.json").read_text())
-    return {p["weight"]: p["format"] for p in config["params"]}
+    return {p.weight: p.format for p in read_config(artifact)["params"]}
 
 
 def test_plan_keeps_fused_parts_apart_by_loaded_format():
