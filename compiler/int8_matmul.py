@@ -30,9 +30,10 @@ Each extra row of a verify batch costs its integer dots plus this per-group epil
 epilogue is kept to one conversion, one multiply and one or two FMAs per vector: the zero
 point rides in the dot's start value and the offset's factor comes precomputed per row.
 
-``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so codes must stay below 16 on
-that path: 8-bit codes are split into nibbles, 5- and 6-bit ones into their nibble and their
-high bits, whose dot products ``vpmaddwd`` weights by 1 and 16.
+``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so on that path 8-bit codes are
+split into nibbles, whose dot products ``vpmaddwd`` weights by 1 and 16; 5- and 6-bit codes
+stay whole (a pair sum is at most 2 x 63 x 127), with fewer pair sums added in int16 before
+``vpmaddwd`` widens them.
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ from .errors import CompileError
 _NIBBLES = 0x0F0F0F0F
 _LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
-# vpmaddubsw pair sums of nibbles x int8 (<= 2 * 15 * 127) that int16 holds added up.
-_INT16_SUMS = 8
+_INT16_MAX = 32767
+
+
+def _int16_sums(code_bits: int) -> int:
+    """How many vpmaddubsw pair sums of codes of ``code_bits`` bits x int8 activations (in
+    [-127, 127]) int16 holds added up: 8 for nibbles, 4 for 5-bit and 2 for 6-bit codes."""
+    return _INT16_MAX // (2 * ((1 << code_bits) - 1) * int(_INT8_MAX))
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class IntegerDot:
         vpmaddubsw path give their nibbles, weighted 1 and 16, so that no int16 pair sum
         saturates. 5- and 6-bit groups (words of low nibbles, then one of high bits, see
         ``compiler/quantization/formats.py``) add to each nibble part its highs, shifted to
-        bit 4 on of each byte, or on the vpmaddubsw path give them as parts weighted 16."""
+        bit 4 on of each byte: whole codes, one dot product per 4 columns on either path."""
         if bits in (5, 6):
             nibble_words = len(words) - 1
             return [part for i in range(2 * nibble_words) for part in self._plane(words, i, bits)]
@@ -122,28 +128,26 @@ class IntegerDot:
             low = low >> self._i32_const(4)
         nibbles = low & self._i32_const(_NIBBLES)
         mask = ((1 << extra) - 1) * _LOW_BITS
-        if not self.vnni:
-            highs = (words[-1] >> self._i32_const(extra * i)) & self._i32_const(mask)
-            return [(T.Bind(nibbles), column, 1), (T.Bind(highs), column, 16)]
         shift = 4 - extra * i
         highs = words[-1] << self._i32_const(shift) if shift > 0 else words[-1]
         highs = highs >> self._i32_const(-shift) if shift < 0 else highs
         return [(T.Bind(nibbles | (highs & self._i32_const(mask << 4))), column, 1)]
 
-    def accumulate(self, start, parts: list[tuple]):
+    def accumulate(self, start, parts: list[tuple], bits: int):
         """``start`` (int32 lanes) plus the exact int32 sum of weight x dot(codes, x) over
-        ``parts`` (codes, x: an int32 of 4 int8 activations, broadcast to every lane; weight):
-        a chain of vpdpbusd, or vpmaddubsw pair sums added in int16 (at most 8 of
-        <= 2 * 15 * 127 each) and widened by one vpmaddwd per weight."""
+        ``parts`` (codes, x: an int32 of 4 int8 activations, broadcast to every lane; weight)
+        of a ``bits``-bit format's group: a chain of vpdpbusd, or vpmaddubsw pair sums added
+        in int16 (as many as cannot saturate, ``_int16_sums``) and widened by vpmaddwd."""
         acc = start
         if self.vnni:
             for codes, x, _ in parts:
                 acc = T.call_llvm_pure_intrin(self.i32, self.vnni, acc, *self._bytes(codes, x))
             return acc
+        n = _int16_sums(bits if bits in (5, 6) else 4)
         for weight in sorted({w for _, _, w in parts}):
             sums = [self._pair_sums(c, x) for c, x, w in parts if w == weight]
-            for i in range(0, len(sums), _INT16_SUMS):
-                acc = acc + self._madd(_tree(lambda a, b: a + b, sums[i : i + _INT16_SUMS]), weight)
+            for i in range(0, len(sums), n):
+                acc = acc + self._madd(_tree(lambda a, b: a + b, sums[i : i + n]), weight)
         return acc
 
     def _bytes(self, codes, x) -> tuple:
@@ -423,7 +427,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                 row = base + r
                 start = tirx.Broadcast(xsum[row, g] if fmt.zero else T.int32(0), lanes)
                 words = [(c, x_word(row, col), w) for c, col, w in parts]
-                ints = T.Cast(f32, dot.accumulate(start, words))
+                ints = T.Cast(f32, dot.accumulate(start, words, fmt.bits))
                 xscale = scale * tirx.Broadcast(xs[row, g], lanes)
                 value = dot.fma(ints, xscale, acc_load(r, i))
                 if offset is not None:

@@ -4,8 +4,9 @@ A kernel change that saves 10% of a layer is lost in a whole-model run on a shar
 rounds differ by as much. Here both versions of ``compiler/int8_matmul.py`` compile the same
 weight shapes for this CPU and take turns call by call on random weights in the stored layout,
 each version cycling over enough copies that every call reads its weights from DRAM, as a decode
-step does. Prints milliseconds per call, the weight bytes read per second, and B / A (B is this
-tree, A the revision).
+step does. Prints milliseconds per call, the weight bytes read per second, B / A (B is this
+tree, A the revision), and whether both gave the same outputs bit for bit on the same inputs
+(a kernel change that only reorders exact integer work must).
 
     python scripts/bench_kernel.py --against REV [--rows 1,2,3,4,8] [--rounds 12]
         [--shapes gate_up,down,qkv] [--write docs/benchmarks.md]
@@ -125,6 +126,21 @@ def build(module: ModuleType, target, kind: str, rng: np.random.Generator) -> Ke
     return Kernel(func, call, weights, weight_bytes)
 
 
+def same_outputs(kernels: dict[str, Kernel], activations: dict) -> bool:
+    """Whether every version, called once on the same activations and first weight copy into
+    a zeroed output, writes the same bits."""
+    import tvm
+
+    outputs = []
+    for kernel in kernels.values():
+        arguments = kernel.argument_lists(activations)[0]
+        out = arguments[-1].numpy()
+        arguments[-1] = tvm.runtime.tensor(np.zeros_like(out))
+        kernel.call(*arguments)
+        outputs.append(arguments[-1].numpy())
+    return all(np.array_equal(outputs[0], o) for o in outputs[1:])
+
+
 def time_round(call, argument_lists: list[list]) -> float:
     """Seconds per call over one pass through the weight copies."""
     start = time.perf_counter()
@@ -140,6 +156,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="gate_up,down", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
     parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
+    parser.add_argument(
+        "--cpu", default="native", help="LLVM CPU: x86-64-v3 (AVX2) etc.; default native"
+    )
     parser.add_argument("--write", type=Path, help="record the table in this markdown file")
     args = parser.parse_args()
     unknown = set(args.shapes.split(",")) - set(SHAPES)
@@ -153,19 +172,24 @@ def main() -> None:
     from mlc_spec.compiler.targets import make_target
 
     load = start_load()
-    target = make_target("llvm")
     try:
-        int8_matmul.integer_dot(target)
+        target = make_target("llvm", cpu=args.cpu)
+        dot = int8_matmul.integer_dot(target)
     except CompileError as error:
-        raise SystemExit(f"this CPU: {error}") from None
+        raise SystemExit(f"--cpu {args.cpu}: {error}") from None
+    instruction = dot.vnni or dot.maddubs
     versions = {"A": kernel_at(args.against), "B": int8_matmul}
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
-    table = ["| shape | M | A ms | B ms | A GB/s | B GB/s | B / A |", "|---|---:|" + "---:|" * 5]
+    table = [
+        "| shape | M | A ms | B ms | A GB/s | B GB/s | B / A | same bits |",
+        "|---|---:|" + "---:|" * 5 + "---|",
+    ]
     for kind in args.shapes.split(","):
         kernels = {v: build(module, target, kind, rng) for v, module in versions.items()}
         for m in rows:
             activations, _ = random_arguments(kernels["A"].func, m, rng)
+            same = "yes" if same_outputs(kernels, activations) else "**no**"
             calls = {v: (k.call, k.argument_lists(activations)) for v, k in kernels.items()}
             times = {v: [] for v in kernels}
             for round_ in range(args.rounds + 1):  # the first round warms up and is dropped
@@ -176,11 +200,13 @@ def main() -> None:
             gbs = [kernels[v].weight_bytes / t / 1e9 for v, t in (("A", a), ("B", b))]
             line = (
                 f"| {kind} {SHAPES[kind][0].name} {SHAPES[kind][1]}x{SHAPES[kind][2]} | {m} "
-                f"| {a * 1e3:.3f} | {b * 1e3:.3f} | {gbs[0]:.1f} | {gbs[1]:.1f} | {b / a:.3f} |"
+                f"| {a * 1e3:.3f} | {b * 1e3:.3f} | {gbs[0]:.1f} | {gbs[1]:.1f} | {b / a:.3f} "
+                f"| {same} |"
             )
             table.append(line)
             print(line, flush=True)
-    context = machine_context(load, f"TVM {tvm.__version__}", f"{args.threads} threads")
+    software = f"TVM {tvm.__version__}, kernels for --cpu {args.cpu} ({instruction})"
+    context = machine_context(load, software, f"{args.threads} threads")
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -198,8 +224,8 @@ def main() -> None:
         ]
     )
     print(section)
-    if args.write:  # one section per baseline revision: each A/B keeps its table
-        write_section(args.write, f"bench_kernel-{args.against}", section)
+    if args.write:  # one section per baseline revision and CPU: each A/B keeps its table
+        write_section(args.write, f"bench_kernel-{args.against}-{args.cpu}", section)
 
 
 if __name__ == "__main__":

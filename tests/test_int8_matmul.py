@@ -75,6 +75,7 @@ def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
 def _weight(fmt: GroupFormat, rng: np.random.Generator) -> QuantizedTensor:
     groups = (N, K // fmt.group_size)
     codes = rng.integers(0, 1 << fmt.bits, (N, K))
+    codes[0] = (1 << fmt.bits) - 1  # with an all-ones input row: int16 sums at their largest
     if fmt.super_group:  # as Q4_K (6-bit sc, m) and Q6_K (int8 sc): integers under f16 values
         shape, parts = (N, K // fmt.super_group), 2 if fmt.asymmetric else 1
         f16 = [rng.uniform(-0.01, 0.01, shape).astype(np.float16) for _ in range(parts)]
@@ -104,6 +105,7 @@ class _Linears(nn.Module):
 def _inputs(rows: int, rng: np.random.Generator) -> np.ndarray:
     x = rng.normal(0, 1, (rows, K)).astype(np.float32)
     x[0, :32] = 0  # an all-zero group: scale 0
+    x[1:-1] = 1  # activation codes all 127, where rows allow (the largest dots, above)
     x[-1, 40] = 50  # an outlier: the rest of its group rounds to few levels
     return x
 
