@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -207,11 +207,21 @@ _INTEGER_DOTS = (
 )
 
 
+# AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
+# panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
+# Qwen2.5-1.5B's Q4_K gate/up and Q6_K down alone) they took 0.69-0.87x the time of the
+# Zen 4 widths at 4-8 rows: there a spilled accumulator costs less than a vector decoded again.
+_WIDE_SWEEPS = (4,) * 8
+
+
 def integer_dot(target: Target) -> IntegerDot:
     """The best integer dot product of ``target``'s CPU; CompileError where it has none."""
     features = set(tvm.target.codegen.llvm_get_cpu_features(target))
     for needs, dot in _INTEGER_DOTS:
         if features.issuperset(needs):
+            amd = str(target.attrs.get("mcpu", "")).startswith("znver")
+            if dot.vnni and dot.lanes == 16 and not amd:
+                return replace(dot, widths=_WIDE_SWEEPS)
             return dot
     raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")
 
@@ -468,7 +478,8 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
             verified 5 and 6 tokens 14-16% faster with one (4-bit gate/up alone: 20-35%;
             docs/quantization.md). On Zen 4 these sweeps took 0.69-0.95x the time of one sweep
             over all vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's
-            shapes. The threads share the (panel, sweep) pairs rather than the panels, so
+            shapes; on an AVX-512 Xeon sweeps of all 4 vectors up to 8 rows were faster
+            (``_WIDE_SWEEPS``). The threads share the (panel, sweep) pairs rather than the panels, so
             that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly: SmolLM2
             decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
             most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1

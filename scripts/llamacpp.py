@@ -34,13 +34,15 @@ from mlc_spec.compiler.pypi_models import default_cache_dir
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}"
 TARGETS = ("llama-bench", "llama-speculative-simple", "llama-completion")
-CMAKE_FLAGS = (
+NATIVE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
 )
+# GCC honours an explicit -mno-* over what -march=native implies, whatever their order.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BUILD_JOBS = 2
 CONTEXT = 4096  # tokens of KV cache for the generation runners: prompt + output fit
 
@@ -49,20 +51,32 @@ def cache_dir() -> Path:
     return default_cache_dir() / f"llama.cpp-{VERSION}"
 
 
+def cmake_flags() -> tuple[str, ...]:
+    """Native, except AMX where the CPU has it: this version's AMX matmul segfaulted on the
+    first prefill on a 2-core Xeon VM (2026-11-23; llama.cpp issue 20824 reports the same)."""
+    if "amx_int8" not in Path("/proc/cpuinfo").read_text().split():
+        return NATIVE_FLAGS
+    return (*NATIVE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+
+
 def build() -> Path:
-    """The directory of the built binaries, building whatever is missing."""
+    """The directory of the built binaries, building whatever is missing or was configured
+    with other flags."""
     root = cache_dir()
     bin_dir = root / "build" / "bin"
-    if all((bin_dir / target).exists() for target in TARGETS):
+    flags, stamp = cmake_flags(), root / "build" / "mlc-spec-cmake-flags"
+    built = all((bin_dir / target).exists() for target in TARGETS)
+    if built and stamp.exists() and stamp.read_text() == "\n".join(flags):
         return bin_dir
     if not (root / SDIST).exists():
         _unpack_sdist(root)
     source = root / SDIST / "vendor" / "llama.cpp"
     print(f"building llama.cpp from {SDIST} (several minutes)", file=sys.stderr)
-    subprocess.run(["cmake", "-S", source, "-B", root / "build", *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "-S", source, "-B", root / "build", *flags], check=True)
     subprocess.run(
         ["cmake", "--build", root / "build", f"-j{BUILD_JOBS}", "--target", *TARGETS], check=True
     )
+    stamp.write_text("\n".join(flags))
     return bin_dir
 
 
@@ -92,7 +106,7 @@ def describe_build() -> str:
     version = " ".join((info.stdout + info.stderr).split())
     return (
         f"llama.cpp vendored in llama-cpp-python {VERSION} (sdist sha256 {sha[:12]}…; "
-        f"`--version`: {version}; cmake {' '.join(CMAKE_FLAGS)})"
+        f"`--version`: {version}; cmake {' '.join(cmake_flags())})"
     )
 
 
