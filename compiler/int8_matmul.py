@@ -479,9 +479,9 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
             docs/quantization.md). On Zen 4 these sweeps took 0.69-0.95x the time of one sweep
             over all vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's
             shapes; on an AVX-512 Xeon sweeps of all 4 vectors up to 8 rows were faster
-            (``_WIDE_SWEEPS``). The threads share the (panel, sweep) pairs rather than the panels, so
-            that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly: SmolLM2
-            decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
+            (``_WIDE_SWEEPS``). The threads share the (panel, sweep) pairs rather than the
+            panels, so that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly:
+            SmolLM2 decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
             most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1
             width = max(w for w in range(1, most + 1) if vectors % w == 0)
             sweeps = vectors // width
