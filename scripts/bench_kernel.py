@@ -206,15 +206,19 @@ def main() -> None:
             print(line, flush=True)
     software = f"TVM {tvm.__version__}, kernels for --cpu {args.cpu} ({instruction})"
     context = machine_context(load, software, f"{args.threads} threads")
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    # Named by commit: a relative revision (HEAD~1) would name another baseline tomorrow.
+    head, against = (
+        subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True
+        ).stdout.strip()
+        for rev in ("HEAD", args.against)
+    )
     section = "\n".join(
         [
-            f"## Int8 matmul kernel alone (`scripts/bench_kernel.py`) against `{args.against}`",
+            f"## Int8 matmul kernel alone (`scripts/bench_kernel.py`) against `{against}`",
             "",
             *context,
-            f"- A: `{KERNEL}` at `{args.against}`; B: this tree (HEAD `{head}`)",
+            f"- A: `{KERNEL}` at `{args.against}` (`{against}`); B: this tree (HEAD `{head}`)",
             f"- Medians of {args.rounds} rounds, A and B taking turns to go first (one warm-up "
             f"round dropped); each call reads its weights from DRAM (copies spanning "
             f"{RESIDENT_BYTES >> 20} MiB)",
@@ -224,7 +228,7 @@ def main() -> None:
     )
     print(section)
     if args.write:  # one section per baseline revision and CPU: each A/B keeps its table
-        write_section(args.write, f"bench_kernel-{args.against}-{args.cpu}", section)
+        write_section(args.write, f"bench_kernel-{against}-{args.cpu}", section)
 
 
 if __name__ == "__main__":
