@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchdoc import lscpu_fields
 from peak_rss import gib, run_measured
 
 from mlc_spec.compiler.pypi_models import default_cache_dir
@@ -54,7 +55,7 @@ def cache_dir() -> Path:
 def cmake_flags() -> tuple[str, ...]:
     """Native, except AMX where the CPU has it: this version's AMX matmul segfaulted on the
     first prefill on a 2-core Xeon VM (2026-11-23; llama.cpp issue 20824 reports the same)."""
-    if "amx_int8" not in Path("/proc/cpuinfo").read_text().split():
+    if "amx_int8" not in lscpu_fields()["Flags"].split():
         return NATIVE_FLAGS
     return (*NATIVE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 
