@@ -209,8 +209,9 @@ _INTEGER_DOTS = (
 
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
 # panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
-# Qwen2.5-1.5B's Q4_K gate/up and Q6_K down alone) they took 0.69-0.87x the time of the
-# Zen 4 widths at 4-8 rows: there a spilled accumulator costs less than a vector decoded again.
+# Qwen2.5-1.5B's Q4_K and Q6_K layers alone) they took 0.47-0.72x the time of the Zen 4 widths
+# at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. SmolLM2's
+# Q4_1 layers took 1.21-1.25x at 4 rows, 0.85-0.90x at 5 and 8 (docs/benchmarks.md).
 _WIDE_SWEEPS = (4,) * 8
 
 
