@@ -26,29 +26,14 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .vector_exp import exp2
+
 PAGE = 16  # tokens per KV page, the size TVM 0.27's page kernels are generated for
 ROWS_PER_TASK = 8  # query rows one prefill task attends, one row at a time
 LANES = PAGE  # vector lanes of a dot product and of a chunk's scores; head sizes: multiples
 _EMPTY = -5e4  # TVM's running max before any key: a row with no keys merges with weight 0
 _MASKED = -1e30  # the score of a key past a chunk's end: weight 2**(-1e30 - max) = 0
 _LOG2E = math.log2(math.e)
-
-
-# Taylor coefficients of 2**f = exp(f ln 2) for |f| <= 1/2: relative error ~1e-7, one float32 ulp.
-_EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(7))
-
-
-def _exp2(x):
-    """2**x for x <= 0 as vector arithmetic (LLVM would call libm once per lane): 2**round(x)
-    from the exponent bits times a polynomial in the remainder; 0 below 2**-126."""
-    x = T.max(x, T.float32(-127))
-    n = T.floor(x + T.float32(0.5))
-    f = x - n
-    poly = T.float32(_EXP2_TAYLOR[-1])
-    for c in reversed(_EXP2_TAYLOR[:-1]):
-        poly = poly * f + T.float32(c)
-    power = T.reinterpret("float32", T.shift_left(T.cast(n, "int32") + 127, 23))
-    return poly * power
 
 
 def _row_macros(d: int, dtype: str):
@@ -101,10 +86,10 @@ def _row_macros(d: int, dtype: str):
             acc[lane] = s_loc[lane]
         tree(acc, T.max)
         st[2] = T.max(st[0], acc[0])  # the new running max
-        st[3] = _exp2(st[0] - st[2])  # rescales what was summed so far
+        st[3] = exp2(st[0] - st[2])  # rescales what was summed so far
         st[0] = st[2]
         for lane in T.vectorized(PAGE):
-            s_loc[lane] = _exp2(s_loc[lane] - st[0])
+            s_loc[lane] = exp2(s_loc[lane] - st[0])
             acc[lane] = s_loc[lane]
         tree(acc, tirx.Add)
         st[1] = st[1] * st[3] + acc[0]

@@ -8,11 +8,13 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from .cpu_argmax import UseCPUArgmaxKernel
 from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
 from .cpu_rope import UseCPURopeKernel
 from .cpu_rule import SerialWhenSmall
+from .cpu_silu import CPU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
 from .noalias import MarkShapeFuncNoAlias
 
@@ -63,14 +65,18 @@ def relax_pipeline(
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
     the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``) and, given the
     model's ``rope`` (theta, scaling), a RoPE kernel that computes each angle once
-    (``cpu_rope``)."""
+    (``cpu_rope``); the sampler's argmax and SiLU are vectorised (``cpu_argmax``, ``cpu_silu``)."""
     is_gpu = target.kind.name != "llvm"
-    cpu_kernels = [UseCPUAttentionKernels(), *([UseCPURopeKernel(*rope)] if rope else [])]
+    cpu_kernels = [
+        UseCPUAttentionKernels(),
+        *([UseCPURopeKernel(*rope)] if rope else []),
+        UseCPUArgmaxKernel(),
+    ]
     passes = [
         *([] if is_gpu else cpu_kernels),
         rx.transform.FuseTransposeMatmul(),
         rx.backend.DispatchSortScan(),
-        rx.transform.LegalizeOps(),
+        rx.transform.LegalizeOps(None if is_gpu else CPU_LEGALIZE),
         rx.transform.AnnotateTIROpPattern(),
         rx.transform.FoldConstant(),
         rx.transform.FuseOps(),

@@ -60,7 +60,7 @@ def attach_sampler(mod: tvm.IRModule, vocab_size: int | None = None) -> tvm.IRMo
 def _add_argmax(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
     n, v = _sizes("n", vocab_size)
     logits = _arg("logits", [n, v], F32)
-    _function(bb, ARGMAX, [logits], lambda: _te(bb, _argmax, logits))
+    _function(bb, ARGMAX, [logits], lambda: _te(bb, argmax, logits))
 
 
 def _add_probs(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
@@ -131,8 +131,9 @@ def _i32(value) -> tirx.PrimExpr:
 # ---- logits -> probabilities -----------------------------------------------------------------
 
 
-def _argmax(x: te.Tensor) -> te.Tensor:
-    """Per-row argmax as int32, the first index on ties."""
+def argmax(x: te.Tensor) -> te.Tensor:
+    """Per-row argmax as int32, the first index on ties (on the CPU, ``cpu_argmax`` swaps in a
+    vectorised kernel)."""
     index = topi.argmax(x, axis=1, select_last_index=False)
     return te.compute(index.shape, lambda i: _i32(index[i]), name="argmax_i32")
 
@@ -149,7 +150,7 @@ def _scaled(logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
 
 def _greedy_rows(probs: te.Tensor, logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
     """Rows with temperature 0 replaced by the one-hot of the logits' argmax."""
-    best = _argmax(logits)
+    best = argmax(logits)
     one, zero = tirx.const(1, F32), tirx.const(0, F32)
     return te.compute(
         probs.shape,
