@@ -85,7 +85,8 @@ class IntegerDot:
     yet on Zen 3 sweeps of 4, 4, 2, 2 vectors for 1-4 rows took 0.81-0.93x the time of that
     rule's 4, 2, 1, 1 at 3-4 rows, even at 2 (Qwen2.5-1.5B's Q4_K gate/up and Q6_K down
     alone): a spilled accumulator costs less than a code vector decoded once more per sweep.
-    AVX-VNNI (16 registers too) keeps the rule, unmeasured.
+    AVX-VNNI (16 registers too) keeps the rule, unmeasured. ``format_widths`` pairs a format's
+    name with widths of its own where measurements set it apart.
     """
 
     lanes: int
@@ -94,6 +95,12 @@ class IntegerDot:
     vnni: str | None = None
     maddubs: str | None = None
     maddwd: str | None = None
+    format_widths: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def width(self, fmt: GroupFormat, rows: int) -> int:
+        """The vectors of a panel one sweep takes for ``rows`` rows of format ``fmt``."""
+        widths = dict(self.format_widths).get(fmt.name, self.widths)
+        return widths[rows - 1] if rows <= len(widths) else 1
 
     def decode(self, words: list, bits: int) -> list[tuple]:
         """The vectors of code words of one group -> its parts (codes, column of their first
@@ -208,11 +215,14 @@ _INTEGER_DOTS = (
 
 
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
-# panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
-# Qwen2.5-1.5B's Q4_K and Q6_K layers alone) they took 0.47-0.72x the time of the Zen 4 widths
-# at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. SmolLM2's
-# Q4_1 layers took 1.21-1.25x at 4 rows, 0.85-0.90x at 5 and 8 (docs/benchmarks.md).
+# panel for up to 8 rows, but 2 for Q4_1 (q4g32ah) at 4-7 rows. On a 2-core AVX-512 Xeon
+# (2026-11-23, ``scripts/bench_kernel.py --widths 1,2,4``, docs/benchmarks.md) 4 vectors were
+# fastest for every row count of Q4_0, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 shapes but Q4_K at 3
+# rows for some (k = 1536, 8960; not 512-4096), and Q4_1 at 4-7 rows took 1.1-1.3x the time of
+# 2 (SmolLM2's layers and a 17920 x 1536 one alike): a spilled accumulator costs less than a
+# vector decoded again, except there.
 _WIDE_SWEEPS = (4,) * 8
+_Q4_1_SWEEPS = (4, 4, 4, 2, 2, 2, 2, 4)
 
 
 def integer_dot(target: Target) -> IntegerDot:
@@ -222,7 +232,7 @@ def integer_dot(target: Target) -> IntegerDot:
         if features.issuperset(needs):
             amd = str(target.attrs.get("mcpu", "")).startswith("znver")
             if dot.vnni and dot.lanes == 16 and not amd:
-                return replace(dot, widths=_WIDE_SWEEPS)
+                return replace(dot, widths=_WIDE_SWEEPS, format_widths=(("q4g32ah", _Q4_1_SWEEPS),))
             return dot
     raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")
 
@@ -483,7 +493,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
             (``_WIDE_SWEEPS``). The threads share the (panel, sweep) pairs rather than the
             panels, so that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly:
             SmolLM2 decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
-            most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1
+            most = dot.width(fmt, rows)
             width = max(w for w in range(1, most + 1) if vectors % w == 0)
             sweeps = vectors // width
             with T.parallel(0, panels * sweeps) as unit:

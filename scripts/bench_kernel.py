@@ -8,8 +8,11 @@ step does. Prints milliseconds per call, the weight bytes read per second, B / A
 tree, A the revision), and whether both gave the same outputs bit for bit on the same inputs
 (a kernel change that only reorders exact integer work must).
 
-    python scripts/bench_kernel.py --against REV [--rows 1,2,3,4,8] [--rounds 12]
-        [--shapes gate_up,down,qkv] [--write docs/benchmarks.md]
+    python scripts/bench_kernel.py (--against REV | --widths 1,2,4) [--rows 1,2,3,4,8]
+        [--rounds 12] [--shapes gate_up,down,qkv] [--cpu native] [--write docs/benchmarks.md]
+
+``--widths`` times this tree's kernel with each sweep width forced on every row count instead,
+the figures behind ``IntegerDot.widths`` and ``format_widths``.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 from benchdoc import machine_context, start_load, usable_cores, write_section
@@ -148,9 +151,35 @@ def time_round(call, argument_lists: list[list]) -> float:
     return (time.perf_counter() - start) / len(argument_lists)
 
 
+def widths_at(module: ModuleType, width: int) -> SimpleNamespace:
+    """``module``'s kernel with every row count's sweep width forced to ``width`` vectors."""
+
+    def integer_dot(target):
+        return replace(module.integer_dot(target), widths=(width,) * 8, format_widths=())
+
+    return SimpleNamespace(integer_dot=integer_dot, matmul_func=module.matmul_func)
+
+
+def medians(kernels: dict[str, Kernel], m: int, rounds: int, rng) -> tuple[dict, bool]:
+    """Seconds per call of each version at M = m, and whether all wrote the same bits."""
+    activations, _ = random_arguments(next(iter(kernels.values())).func, m, rng)
+    same = same_outputs(kernels, activations)
+    calls = {v: (k.call, k.argument_lists(activations)) for v, k in kernels.items()}
+    times = {v: [] for v in kernels}
+    for round_ in range(rounds + 1):  # the first round warms up and is dropped
+        # Each goes first every other round: in an A/A run going second was worth 1-5%.
+        for v in sorted(calls, reverse=bool(round_ % 2)):
+            times[v].append(time_round(*calls[v]))
+    return {v: float(np.median(t[1:])) for v, t in times.items()}, same
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", required=True, help="git revision of the baseline (A)")
+    baseline = parser.add_mutually_exclusive_group(required=True)
+    baseline.add_argument("--against", help="git revision of the baseline (A)")
+    baseline.add_argument(
+        "--widths", help="instead: this tree's kernel at each sweep width, e.g. 1,2,4"
+    )
     parser.add_argument("--rows", default="1,2,3,4,8", help="activation rows M; default 1,2,3,4,8")
     parser.add_argument("--shapes", default="gate_up,down", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
@@ -177,58 +206,75 @@ def main() -> None:
     except CompileError as error:
         raise SystemExit(f"--cpu {args.cpu}: {error}") from None
     instruction = dot.vnni or dot.maddubs
-    versions = {"A": kernel_at(args.against), "B": int8_matmul}
+    if args.widths:
+        versions = {f"w{w}": widths_at(int8_matmul, int(w)) for w in args.widths.split(",")}
+        header = [f"{v} ms" for v in versions] + ["fastest"]
+    else:
+        versions = {"A": kernel_at(args.against), "B": int8_matmul}
+        header = ["A ms", "B ms", "A GB/s", "B GB/s", "B / A"]
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     table = [
-        "| shape | M | A ms | B ms | A GB/s | B GB/s | B / A | same bits |",
-        "|---|---:|" + "---:|" * 5 + "---|",
+        f"| shape | M | {' | '.join(header)} | same bits |",
+        "|---|---:|" + "---:|" * len(header) + "---|",
     ]
     for kind in args.shapes.split(","):
         kernels = {v: build(module, target, kind, rng) for v, module in versions.items()}
         for m in rows:
-            activations, _ = random_arguments(kernels["A"].func, m, rng)
-            same = "yes" if same_outputs(kernels, activations) else "**no**"
-            calls = {v: (k.call, k.argument_lists(activations)) for v, k in kernels.items()}
-            times = {v: [] for v in kernels}
-            for round_ in range(args.rounds + 1):  # the first round warms up and is dropped
-                # Each goes first every other round: in an A/A run going second was worth 1-5%.
-                for v in sorted(calls, reverse=bool(round_ % 2)):
-                    times[v].append(time_round(*calls[v]))
-            a, b = (float(np.median(times[v][1:])) for v in ("A", "B"))
-            gbs = [kernels[v].weight_bytes / t / 1e9 for v, t in (("A", a), ("B", b))]
+            seconds, same = medians(kernels, m, args.rounds, rng)
+            cells = [f"{t * 1e3:.3f}" for t in seconds.values()]
+            if args.widths:
+                cells.append(min(seconds, key=seconds.get))
+            else:
+                a, b = seconds["A"], seconds["B"]
+                gbs = [kernels[v].weight_bytes / t / 1e9 for v, t in seconds.items()]
+                cells += [f"{gbs[0]:.1f}", f"{gbs[1]:.1f}", f"{b / a:.3f}"]
+            ggml_type, n, k = SHAPES[kind]
             line = (
-                f"| {kind} {SHAPES[kind][0].name} {SHAPES[kind][1]}x{SHAPES[kind][2]} | {m} "
-                f"| {a * 1e3:.3f} | {b * 1e3:.3f} | {gbs[0]:.1f} | {gbs[1]:.1f} | {b / a:.3f} "
-                f"| {same} |"
+                f"| {kind} {ggml_type.name} {n}x{k} | {m} | {' | '.join(cells)} "
+                f"| {'yes' if same else '**no**'} |"
             )
             table.append(line)
             print(line, flush=True)
     software = f"TVM {tvm.__version__}, kernels for --cpu {args.cpu} ({instruction})"
     context = machine_context(load, software, f"{args.threads} threads")
-    # Named by commit: a relative revision (HEAD~1) would name another baseline tomorrow.
-    head, against = (
-        subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True
-        ).stdout.strip()
-        for rev in ("HEAD", args.against)
-    )
+    if args.widths:
+        title = f"sweep widths {args.widths}"
+        versions_line = (
+            f"- This tree's kernel (HEAD `{short_commit('HEAD')}`) with every row count's sweep "
+            f"width forced to each of {args.widths} vectors (`{KERNEL}`'s `IntegerDot.widths`)"
+        )
+        key = f"bench_kernel-widths-{args.cpu}"
+    else:
+        # Named by commit: a relative revision (HEAD~1) would name another baseline tomorrow.
+        against = short_commit(args.against)
+        title = f"against `{against}`"
+        versions_line = (
+            f"- A: `{KERNEL}` at `{args.against}` (`{against}`); "
+            f"B: this tree (HEAD `{short_commit('HEAD')}`)"
+        )
+        key = f"bench_kernel-{against}-{args.cpu}"
     section = "\n".join(
         [
-            f"## Int8 matmul kernel alone (`scripts/bench_kernel.py`) against `{against}`",
+            f"## Int8 matmul kernel alone (`scripts/bench_kernel.py`) {title}",
             "",
             *context,
-            f"- A: `{KERNEL}` at `{args.against}` (`{against}`); B: this tree (HEAD `{head}`)",
-            f"- Medians of {args.rounds} rounds, A and B taking turns to go first (one warm-up "
-            f"round dropped); each call reads its weights from DRAM (copies spanning "
+            versions_line,
+            f"- Medians of {args.rounds} rounds, the versions taking turns to go first (one "
+            f"warm-up round dropped); each call reads its weights from DRAM (copies spanning "
             f"{RESIDENT_BYTES >> 20} MiB)",
             "",
             *table,
         ]
     )
     print(section)
-    if args.write:  # one section per baseline revision and CPU: each A/B keeps its table
-        write_section(args.write, f"bench_kernel-{against}-{args.cpu}", section)
+    if args.write:  # one section per baseline and CPU: each comparison keeps its table
+        write_section(args.write, key, section)
+
+
+def short_commit(rev: str) -> str:
+    shown = ["git", "-C", str(ROOT), "rev-parse", "--short", rev]
+    return subprocess.run(shown, capture_output=True, text=True).stdout.strip()
 
 
 if __name__ == "__main__":
