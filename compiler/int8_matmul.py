@@ -62,6 +62,11 @@ _NIBBLES = 0x0F0F0F0F
 _LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
 _INT16_MAX = 32767
+# How far ahead of a sweep's reads its code lines are prefetched. On a 2-core AVX-512 Xeon
+# (2026-11-23, ``scripts/bench_kernel.py``, Qwen2.5's and SmolLM2's layers alone) 4 KB made
+# 1-row calls 0.79-0.99x and 3-8-row calls 0.65-0.90x as long as none, outputs bit for bit the
+# same; 1.5-2 KB did about as well.
+_PREFETCH_BYTES = 4096
 
 
 def _int16_sums(code_bits: int) -> int:
@@ -85,8 +90,7 @@ class IntegerDot:
     yet on Zen 3 sweeps of 4, 4, 2, 2 vectors for 1-4 rows took 0.81-0.93x the time of that
     rule's 4, 2, 1, 1 at 3-4 rows, even at 2 (Qwen2.5-1.5B's Q4_K gate/up and Q6_K down
     alone): a spilled accumulator costs less than a code vector decoded once more per sweep.
-    AVX-VNNI (16 registers too) keeps the rule, unmeasured. ``format_widths`` pairs a format's
-    name with widths of its own where measurements set it apart.
+    AVX-VNNI (16 registers too) keeps the rule, unmeasured.
     """
 
     lanes: int
@@ -95,12 +99,6 @@ class IntegerDot:
     vnni: str | None = None
     maddubs: str | None = None
     maddwd: str | None = None
-    format_widths: tuple[tuple[str, tuple[int, ...]], ...] = ()
-
-    def width(self, fmt: GroupFormat, rows: int) -> int:
-        """The vectors of a panel one sweep takes for ``rows`` rows of format ``fmt``."""
-        widths = dict(self.format_widths).get(fmt.name, self.widths)
-        return widths[rows - 1] if rows <= len(widths) else 1
 
     def decode(self, words: list, bits: int) -> list[tuple]:
         """The vectors of code words of one group -> its parts (codes, column of their first
@@ -215,14 +213,13 @@ _INTEGER_DOTS = (
 
 
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
-# panel for up to 8 rows, but 2 for Q4_1 (q4g32ah) at 4-7 rows. On a 2-core AVX-512 Xeon
-# (2026-11-23, ``scripts/bench_kernel.py --widths 1,2,4``, docs/benchmarks.md) 4 vectors were
-# fastest for every row count of Q4_0, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 shapes but Q4_K at 3
-# rows for some (k = 1536, 8960; not 512-4096), and Q4_1 at 4-7 rows took 1.1-1.3x the time of
-# 2 (SmolLM2's layers and a 17920 x 1536 one alike): a spilled accumulator costs less than a
-# vector decoded again, except there.
+# panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
+# Qwen2.5-1.5B's Q4_K and Q6_K layers alone) they took 0.47-0.72x the time of the Zen 4 widths
+# at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. Without the
+# code prefetch (``_PREFETCH_BYTES``) Q4_1 was 1.1-1.3x faster with 2 vectors at 4-7 rows;
+# with it, 2 and 4 are within a few percent for every format but Q6_K, where 4 wins
+# (``bench_kernel.py --widths 2,4``, docs/benchmarks.md).
 _WIDE_SWEEPS = (4,) * 8
-_Q4_1_SWEEPS = (4, 4, 4, 2, 2, 2, 2, 4)
 
 
 def integer_dot(target: Target) -> IntegerDot:
@@ -232,7 +229,7 @@ def integer_dot(target: Target) -> IntegerDot:
         if features.issuperset(needs):
             amd = str(target.attrs.get("mcpu", "")).startswith("znver")
             if dot.vnni and dot.lanes == 16 and not amd:
-                return replace(dot, widths=_WIDE_SWEEPS, format_widths=(("q4g32ah", _Q4_1_SWEEPS),))
+                return replace(dot, widths=_WIDE_SWEEPS)
             return dot
     raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")
 
@@ -455,6 +452,20 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                     value = dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
                 acc_store(r, i, value)
 
+        def prefetch(p, g, first, width: int) -> None:
+            """Ask for the code lines that this sweep reads ``_PREFETCH_BYTES`` on from group
+            g's (one 64-byte line per word and vector). The hardware prefetchers stop at 4 KB
+            pages and fall behind once several rows' arithmetic runs between the loads; past
+            the last group the address lies in the next panel or past the buffer, where a
+            prefetch does nothing."""
+            ahead = -(-_PREFETCH_BYTES // (words_per_group * width * lanes * 4))
+            for w in range(words_per_group):
+                for i in range(width):
+                    line = codes[p, (g + ahead) * words_per_group + w, (first + i) * lanes]
+                    T.evaluate(
+                        T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(line), 0, 3, 1)
+                    )  # read, keep in all cache levels, data
+
         def in_registers(p, first, width: int, rows: int, base) -> None:
             """Rows base .. base + rows - 1 times ``width`` vectors of panel p from vector
             ``first`` on, over all groups, their accumulators in registers."""
@@ -473,6 +484,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                 for i in range(width):
                     store(r, i, tirx.Broadcast(T.float32(0), lanes))
             with T.serial(0, groups) as g:
+                prefetch(p, g, first, width)
                 for i in range(width):
                     group_terms(p, g, first + i, i, rows, base, load, store)
             for r in range(rows):
@@ -493,7 +505,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
             (``_WIDE_SWEEPS``). The threads share the (panel, sweep) pairs rather than the
             panels, so that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly:
             SmolLM2 decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
-            most = dot.width(fmt, rows)
+            most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1
             width = max(w for w in range(1, most + 1) if vectors % w == 0)
             sweeps = vectors // width
             with T.parallel(0, panels * sweeps) as unit:

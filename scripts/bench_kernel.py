@@ -12,7 +12,7 @@ tree, A the revision), and whether both gave the same outputs bit for bit on the
         [--rounds 12] [--shapes gate_up,down,qkv] [--cpu native] [--write docs/benchmarks.md]
 
 ``--widths`` times this tree's kernel with each sweep width forced on every row count instead,
-the figures behind ``IntegerDot.widths`` and ``format_widths``.
+the figures behind ``IntegerDot.widths``.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def widths_at(module: ModuleType, width: int) -> SimpleNamespace:
     """``module``'s kernel with every row count's sweep width forced to ``width`` vectors."""
 
     def integer_dot(target):
-        return replace(module.integer_dot(target), widths=(width,) * 8, format_widths=())
+        return replace(module.integer_dot(target), widths=(width,) * 8)
 
     return SimpleNamespace(integer_dot=integer_dot, matmul_func=module.matmul_func)
 
