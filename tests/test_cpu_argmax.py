@@ -17,6 +17,8 @@ from mlc_spec.compiler.pipeline import relax_pipeline
 from mlc_spec.compiler.sampler import attach_sampler
 from mlc_spec.compiler.targets import make_target
 
+F32 = "float32"
+
 
 def _argmax_tokens(vocab_size: int | None):
     target = make_target("llvm")
@@ -25,9 +27,6 @@ def _argmax_tokens(vocab_size: int | None):
         tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, F32)), tvm.cpu()
     )
     return vm["argmax_tokens"]
-
-
-F32 = "float32"
 
 
 def _hard_rows(v: int, rng: np.random.Generator) -> np.ndarray:
