@@ -9,13 +9,17 @@ the same arguments in the same order, because the KV cache calls them by positio
 (``src/runtime/vm/attn_backend.h``), so ``UseCPUAttentionKernels`` simply swaps them into the
 module that ``TIRPagedKVCache`` built.
 
-Each (query row, head) pair is one online softmax over its keys, 16 keys (one page) at a time:
-a chunk's scores are dot products over the head dimension in vector registers, and its values
-are added with one vector FMA per key. The thread pool splits the work over (head, block of
-query rows). Scores are kept in base 2 (scaled by log2 e) with TVM's conventions for the
-log-sum-exp output, so TVM's merge kernel combines a prefix's and a chunk's attention as before.
-Only the KV cache's ``RopeMode.NORMAL`` is supported (RoPE applied before the cache), which is
-what ``models/llama.py`` builds; other modes fail with a clear assertion.
+Each (query row, head) pair is one online softmax over its keys, 16 keys (one page) at a time.
+A chunk whose 16 K rows may all be read (a page; 16 keys of a ragged buffer) computes its 16 dot
+products side by side, 16 independent FMA chains, and adds up their partial sums with one
+transposing tree of shuffles (``transpose_sum``) that leaves key r's score in lane r; a shorter
+ragged chunk takes its keys one at a time. Only a chunk that raises the running max rescales
+what was summed, and the running sum is kept per lane, so a chunk's one horizontal reduction is
+its max. Values are added with one vector FMA per key. The thread pool splits the work over
+(head, block of query rows). Scores are kept in base 2 (scaled by log2 e) with TVM's
+conventions for the log-sum-exp output, so TVM's merge kernel combines a prefix's and a chunk's
+attention as before. Only the KV cache's ``RopeMode.NORMAL`` is supported (RoPE applied before
+the cache), which is what ``models/llama.py`` builds; other modes fail with a clear assertion.
 """
 
 from __future__ import annotations
@@ -36,91 +40,149 @@ _MASKED = -1e30  # the score of a key past a chunk's end: weight 2**(-1e30 - max
 _LOG2E = math.log2(math.e)
 
 
+def _halves(src: tirx.Buffer, i: int, s: int) -> tirx.PrimExpr:
+    """One level of ``transpose_sum``: vectors i and i + s of ``src``, whose lanes hold partial
+    sums in runs of 2s lanes per key, added pairwise into one vector with runs of s lanes per
+    key: vector i's keys take the first half of each run of 2s lanes, vector i + s's the
+    second."""
+    x = src.vload([i * LANES], f"float32x{LANES}")
+    y = src.vload([(i + s) * LANES], f"float32x{LANES}")
+    first = [lane % (2 * s) < s for lane in range(LANES)]
+    near = [lane if f else LANES + lane for lane, f in enumerate(first)]
+    far = [lane + s if f else LANES + lane - s for lane, f in enumerate(first)]
+    return tirx.Shuffle([x, y], near) + tirx.Shuffle([x, y], far)
+
+
+def _butterfly(src: tirx.Buffer, op) -> tirx.PrimExpr:
+    """``op`` over the first LANES lanes of ``src`` (a sum or max): 4 shuffle-and-op steps,
+    leaving the result in every lane; lane 0 returned."""
+    x = src.vload([0], f"float32x{LANES}")
+    for step in (8, 4, 2, 1):
+        x = op(x, tirx.Shuffle([x], [lane ^ step for lane in range(LANES)]))
+    return tirx.Shuffle([x], [0])
+
+
 def _row_macros(d: int, dtype: str):
     """The steps of one (query row, head) online softmax over the ``state`` buffers that the
-    kernel allocates (``_state``): the scaled query, the running output, a chunk's scores,
-    16 lanes of scratch for dot products and reductions, and the running max and sum.
+    kernel allocates (``_state``): the scaled query, the running output, a chunk's scores, 16
+    lanes of scratch for a dot product, the scalars (running max, chunk max, rescale), a
+    chunk's 16 dot products and their transposing sum, and the running sum per lane.
 
     ``start`` loads the query; ``chunk`` folds in ``n`` <= 16 keys whose K rows start at
-    ``k_base`` and V rows at ``v_base`` of the flat buffers, ``stride`` elements apart;
-    ``finish`` writes the row's output and base-2 log-sum-exp. Sums and maxima over 16 lanes
-    are trees of vector operations, not chains of 16 scalar ones."""
+    ``k_base`` and V rows at ``v_base`` of the flat buffers, ``stride`` elements apart, and
+    ``whole_chunk`` does the same where all 16 K rows may be read; ``finish`` writes the row's
+    output and base-2 log-sum-exp."""
     vecs = d // LANES
 
     @T.macro
-    def tree(acc, op):
-        for lane in T.vectorized(8):
-            acc[lane] = op(acc[lane], acc[lane + 8])
-        for lane in T.vectorized(4):
-            acc[lane] = op(acc[lane], acc[lane + 4])
-        for lane in T.vectorized(2):
-            acc[lane] = op(acc[lane], acc[lane + 2])
-        acc[0] = op(acc[0], acc[1])
-
-    @T.macro
     def start(q, row, h, scale, state):
-        q_loc, o_loc, s_loc, acc, st = state
-        for c in range(vecs):
+        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        for c in T.unroll(vecs):
             for lane in T.vectorized(LANES):
                 q_loc[c * LANES + lane] = T.cast(q[row, h, c * LANES + lane], "float32") * scale
                 o_loc[c * LANES + lane] = T.float32(0)
+        for lane in T.vectorized(LANES):
+            lsum[lane] = T.float32(0)
         st[0] = T.float32(_EMPTY)
-        st[1] = T.float32(0)
+
+    @T.macro
+    def add_value(vf, v_row, weight, o_loc):
+        for c in T.unroll(vecs):
+            for lane in T.vectorized(LANES):
+                o_loc[c * LANES + lane] = o_loc[c * LANES + lane] + weight * T.cast(
+                    vf[v_row + c * LANES + lane], "float32"
+                )
+
+    @T.macro
+    def update(vf, v_base, stride, n, state):
+        """Fold a chunk's scores ``s_loc`` (masked past ``n``) into the running softmax and
+        add its first ``n`` V rows."""
+        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        st[2] = _butterfly(s_loc, T.max)
+        if st[2] > st[0]:  # a new running max: rescale what was summed so far
+            st[3] = exp2(st[0] - st[2])
+            st[0] = st[2]
+            for lane in T.vectorized(LANES):
+                lsum[lane] = lsum[lane] * st[3]
+            for c in T.unroll(vecs):
+                for lane in T.vectorized(LANES):
+                    o_loc[c * LANES + lane] = o_loc[c * LANES + lane] * st[3]
+        for lane in T.vectorized(PAGE):
+            s_loc[lane] = exp2(s_loc[lane] - st[0])
+            lsum[lane] = lsum[lane] + s_loc[lane]
+        if n == PAGE:
+            for r in T.unroll(PAGE):
+                add_value(vf, v_base + r * stride, s_loc[r], o_loc)
+        else:
+            for r in range(n):
+                add_value(vf, v_base + r * stride, s_loc[r], o_loc)
 
     @T.macro
     def chunk(kf, vf, k_base, v_base, stride, n, state):
-        q_loc, o_loc, s_loc, acc, st = state
+        """Fold in ``n`` <= 16 keys one at a time, reading no K or V row past them."""
+        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
         for lane in T.vectorized(PAGE):
             s_loc[lane] = T.float32(_MASKED)
         for r in range(n):
             for lane in T.vectorized(LANES):
                 acc[lane] = T.float32(0)
-            for c in range(vecs):
+            for c in T.unroll(vecs):
                 for lane in T.vectorized(LANES):
                     acc[lane] = acc[lane] + q_loc[c * LANES + lane] * T.cast(
                         kf[k_base + r * stride + c * LANES + lane], "float32"
                     )
-            tree(acc, tirx.Add)
-            s_loc[r] = acc[0]
-        for lane in T.vectorized(PAGE):
-            acc[lane] = s_loc[lane]
-        tree(acc, T.max)
-        st[2] = T.max(st[0], acc[0])  # the new running max
-        st[3] = exp2(st[0] - st[2])  # rescales what was summed so far
-        st[0] = st[2]
-        for lane in T.vectorized(PAGE):
-            s_loc[lane] = exp2(s_loc[lane] - st[0])
-            acc[lane] = s_loc[lane]
-        tree(acc, tirx.Add)
-        st[1] = st[1] * st[3] + acc[0]
-        for c in range(vecs):
+            s_loc[r] = _butterfly(acc, tirx.Add)
+        update(vf, v_base, stride, n, state)
+
+    @T.macro
+    def transpose_sum(dots, red):
+        """``dots`` holds LANES vectors of partial sums, key r's in vector r; leaves key r's
+        total in lane r of ``red[0:LANES]`` (4 levels of ``_halves``, ping-ponging)."""
+        for i in T.unroll(8):
+            red[T.ramp(i * LANES, 1, LANES)] = _halves(dots, i, 8)
+        for i in T.unroll(4):
+            dots[T.ramp(i * LANES, 1, LANES)] = _halves(red, i, 4)
+        for i in T.unroll(2):
+            red[T.ramp(i * LANES, 1, LANES)] = _halves(dots, i, 2)
+        red[T.ramp(0, 1, LANES)] = _halves(red, 0, 1)
+
+    @T.macro
+    def whole_chunk(kf, vf, k_base, v_base, stride, n, state):
+        """``chunk`` for a chunk whose 16 K rows may all be read (a page; keys past ``n`` are
+        masked), dot products side by side."""
+        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        for r in T.unroll(PAGE):
             for lane in T.vectorized(LANES):
-                o_loc[c * LANES + lane] = o_loc[c * LANES + lane] * st[3]
-        for r in range(n):
-            for c in range(vecs):
+                dots[r * LANES + lane] = T.float32(0)
+            for c in T.unroll(vecs):
                 for lane in T.vectorized(LANES):
-                    o_loc[c * LANES + lane] = o_loc[c * LANES + lane] + s_loc[r] * T.cast(
-                        vf[v_base + r * stride + c * LANES + lane], "float32"
-                    )
+                    dots[r * LANES + lane] = dots[r * LANES + lane] + q_loc[
+                        c * LANES + lane
+                    ] * T.cast(kf[k_base + r * stride + c * LANES + lane], "float32")
+        transpose_sum(dots, red)
+        for lane in T.vectorized(PAGE):
+            s_loc[lane] = T.Select(lane < n, red[lane], T.float32(_MASKED))
+        update(vf, v_base, stride, n, state)
 
     @T.macro
     def finish(output, lse, row, h, state):
-        q_loc, o_loc, s_loc, acc, st = state
+        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        st[1] = _butterfly(lsum, tirx.Add)
         if st[1] > T.float32(0):
             st[2] = T.float32(1) / st[1]
-            for c in range(vecs):
+            for c in T.unroll(vecs):
                 for lane in T.vectorized(LANES):
                     output[row, h, c * LANES + lane] = T.cast(
                         o_loc[c * LANES + lane] * st[2], dtype
                     )
             lse[row, h] = st[0] + T.log2(st[1])
         else:
-            for c in range(vecs):
+            for c in T.unroll(vecs):
                 for lane in T.vectorized(LANES):
                     output[row, h, c * LANES + lane] = T.cast(T.float32(0), dtype)
             lse[row, h] = T.float32(_EMPTY)
 
-    return start, chunk, finish
+    return start, chunk, whole_chunk, finish
 
 
 def _state(d: int):
@@ -131,6 +193,9 @@ def _state(d: int):
         T.sblock_alloc_buffer((PAGE,), "float32", scope="local"),
         T.sblock_alloc_buffer((LANES,), "float32", scope="local"),
         T.sblock_alloc_buffer((4,), "float32", scope="local"),
+        T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="local"),
+        T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="local"),
+        T.sblock_alloc_buffer((LANES,), "float32", scope="local"),
     )
 
 
@@ -156,7 +221,7 @@ def _paged_kv_len(page_indptr, length_info, seq):
 def _paged_row(h_kv: int, h_q: int, d: int, dtype: str):
     """A macro: one (query row, head) over the first ``limit`` keys in sequence ``seq``'s
     pages. ``io`` holds the kernel's buffers, the page pool as one ``flat`` buffer."""
-    start, chunk, finish = _row_macros(d, dtype)
+    start, _, whole_chunk, finish = _row_macros(d, dtype)
     group, v_offset = h_q // h_kv, h_kv * PAGE * d  # a page holds all heads' K, then their V
 
     @T.macro
@@ -165,7 +230,8 @@ def _paged_row(h_kv: int, h_q: int, d: int, dtype: str):
         start(q, row, h, scale, state)
         for p in range((limit + PAGE - 1) // PAGE):
             base = (page_values[page_indptr[seq] + p] * 2 * h_kv + h // group) * PAGE * d
-            chunk(flat, flat, base, base + v_offset, d, T.min(PAGE, limit - p * PAGE), state)
+            n = T.min(PAGE, limit - p * PAGE)
+            whole_chunk(flat, flat, base, base + v_offset, d, n, state)
         finish(output, lse, row, h, state)
 
     return attend
@@ -289,7 +355,7 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pri
 
 def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
     """New tokens of each sequence against the new tokens' own keys and values."""
-    start, chunk, finish = _row_macros(d, dtype)
+    start, chunk, whole_chunk, finish = _row_macros(d, dtype)
     group = h_q // h_kv
 
     @T.prim_func(s_tir=True)
@@ -342,7 +408,10 @@ def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pr
                     for p in range((limit + PAGE - 1) // PAGE):
                         base = ((first + p * PAGE) * h_kv + h // group) * d
                         n = T.min(PAGE, limit - p * PAGE)
-                        chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+                        if n == PAGE:
+                            whole_chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+                        else:
+                            chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
                     finish(output, lse, row, h, state)
 
     return batch_prefill_ragged_kv_cpu
