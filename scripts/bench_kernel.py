@@ -51,6 +51,11 @@ SHAPES = {
     # 8-bit LM heads: SmolLM2's (tied) table and Qwen2.5-Coder-0.5B's, the draft's.
     "smol_head": (T.Q8_0, 49152, 576),
     "draft_head": (T.Q8_0, 151936, 896),
+    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M's (the draft's): 5-bit Q5_0 where 896 columns leave no
+    # room for 256-wide K-type blocks, Q6_K or Q4_K for down.
+    "draft_gate_up": (T.Q5_0, 9728, 896),
+    "draft_qkv": (T.Q5_0, 1152, 896),
+    "draft_down": (T.Q6_K, 896, 4864),
 }
 
 
