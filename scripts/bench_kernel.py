@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import linecache
 import math
 import os
 import re
@@ -59,19 +60,23 @@ SHAPES = {
 }
 
 
-def kernel_at(rev: str) -> ModuleType:
-    """``compiler/int8_matmul.py`` as of git revision ``rev``, imported beside this tree's."""
+def module_at(rev: str, path: str = KERNEL) -> ModuleType:
+    """The compiler module ``path`` as of git revision ``rev``, imported beside this tree's."""
     shown = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:{KERNEL}"], capture_output=True, text=True
+        ["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True
     )
     if shown.returncode:
         raise SystemExit(f"--against {rev}: {shown.stderr.strip()}")
     source = shown.stdout
-    name = f"mlc_spec.compiler.int8_matmul_at_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
+    stem = Path(path).stem
+    name = f"mlc_spec.compiler.{stem}_at_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     module.__package__ = "mlc_spec.compiler"
     sys.modules[name] = module
-    exec(compile(source, f"{rev}:{KERNEL}", "exec"), module.__dict__)
+    filename = f"{rev}:{path}"
+    # TVMScript parses its functions' source text, which it looks up by file name.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), module.__dict__)
     return module
 
 
@@ -215,7 +220,7 @@ def main() -> None:
         versions = {f"w{w}": widths_at(int8_matmul, int(w)) for w in args.widths.split(",")}
         header = [f"{v} ms" for v in versions] + ["fastest"]
     else:
-        versions = {"A": kernel_at(args.against), "B": int8_matmul}
+        versions = {"A": module_at(args.against), "B": int8_matmul}
         header = ["A ms", "B ms", "A GB/s", "B GB/s", "B / A"]
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)

@@ -1,0 +1,144 @@
+"""The CPU attention kernels alone at real models' head shapes: this tree's against a git
+revision's.
+
+An attention change worth 10% of a layer's kernel is a few percent of a step, lost in a
+whole-model run on a shared machine. Here both versions of ``compiler/cpu_attention.py``
+compile the same head shapes for this CPU and take turns round by round on the same random
+queries and page pool. One row times the decode kernel (the new token already in the pages);
+more rows time the paged prefill kernel with every row of one sequence seeing the whole
+prefix, which is a verify step's attention over the prefix. Prints microseconds per call,
+B / A (B is this tree, A the revision), and the largest difference between their outputs
+(summation order may differ; the kernels' own tests pin accuracy).
+
+    python scripts/bench_attention.py --against REV [--context 133] [--rows 1,4,5,8]
+        [--shapes smollm2,qwen1.5b,qwen0.5b] [--rounds 12] [--cpu native]
+        [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_kernel import module_at, short_commit
+from benchdoc import machine_context, start_load, usable_cores, write_section
+
+ATTENTION = "compiler/cpu_attention.py"
+PAGE = 16
+# (KV heads, query heads, head size) of each model.
+HEADS = {"smollm2": (3, 9, 64), "qwen1.5b": (2, 12, 128), "qwen0.5b": (2, 14, 64)}
+CALLS = 200  # calls per version per round: one call is a few microseconds
+
+
+def page_pool(rng: np.random.Generator, context: int, h_kv: int, d: int) -> list[np.ndarray]:
+    """One sequence's ``context`` keys and values on shuffled pages of a pool with spare pages:
+    (pages, page_indptr, page_values, last page's length)."""
+    used = -(-context // PAGE)
+    pages = rng.standard_normal((used + 4, 2, h_kv, PAGE, d)).astype(np.float32)
+    values = rng.permutation(used + 4)[:used].astype(np.int32)
+    last = context - (used - 1) * PAGE
+    return [pages, np.array([0, used], np.int32), values, np.array([last], np.int32)]
+
+
+def call_arguments(rows: int, h_q: int, d: int, pool: list, rng) -> list:
+    """The kernel's arguments: decode's for one row, the paged prefill's (not causal) else."""
+    import tvm
+
+    q = rng.standard_normal((rows, h_q, d)).astype(np.float32)
+    zeros = np.zeros(rows, np.int32)
+    out, lse = np.zeros_like(q), np.zeros((rows, h_q), np.float32)
+    if rows == 1:
+        arrays, scalars = [q, *pool, zeros, zeros, out, lse], [0, 1.0, 1e4, 0.1]
+    else:
+        q_indptr = np.array([0, rows], np.int32)
+        arrays = [q, q_indptr, *pool, np.zeros(1, np.int32), zeros, out, lse]
+        scalars = [0, 0, 1.0, 1e4, 0.1]
+    return [tvm.runtime.tensor(a) for a in arrays] + scalars
+
+
+def build(module, target, shape: tuple[int, int, int], rows: int):
+    import tvm
+
+    make = module.attention_decode if rows == 1 else module.attention_prefill_paged
+    return tvm.compile(make(*shape, "float32"), target=target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, help="git revision of the baseline (A)")
+    parser.add_argument("--context", type=int, default=133, help="prefix keys; default 133")
+    parser.add_argument("--rows", default="1,4,5,8", help="query rows; default 1,4,5,8")
+    parser.add_argument("--shapes", default=",".join(HEADS), help=f"of {', '.join(HEADS)}")
+    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
+    parser.add_argument("--cpu", default="native", help="LLVM CPU, e.g. x86-64-v3; default native")
+    parser.add_argument("--write", type=Path, help="record the table in this markdown file")
+    args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - set(HEADS)
+    if unknown:
+        parser.error(f"unknown --shapes {', '.join(sorted(unknown))} (known: {', '.join(HEADS)})")
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    import tvm
+
+    from mlc_spec.compiler import cpu_attention
+    from mlc_spec.compiler.targets import make_target
+
+    load = start_load()
+    target = make_target("llvm", cpu=args.cpu)
+    versions = {"A": module_at(args.against, ATTENTION), "B": cpu_attention}
+    rng = np.random.default_rng(0)
+    table = [
+        "| model heads (KV, query, size) | rows | A µs | B µs | B / A | max difference |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in args.shapes.split(","):
+        shape = HEADS[name]
+        pool = page_pool(rng, args.context, shape[0], shape[2])
+        for rows in (int(r) for r in args.rows.split(",")):
+            arguments = call_arguments(rows, shape[1], shape[2], pool, rng)
+            kernels = {v: build(m, target, shape, rows) for v, m in versions.items()}
+            outputs = []
+            for kernel in kernels.values():
+                kernel(*arguments)
+                outputs.append(arguments[-6 if rows == 1 else -7].numpy().copy())
+            times = {v: [] for v in kernels}
+            for round_ in range(args.rounds + 1):  # the first round warms up and is dropped
+                for v in sorted(kernels, reverse=bool(round_ % 2)):
+                    start = time.perf_counter()
+                    for _ in range(CALLS):
+                        kernels[v](*arguments)
+                    times[v].append((time.perf_counter() - start) / CALLS)
+            a, b = (float(np.median(times[v][1:])) * 1e6 for v in ("A", "B"))
+            line = (
+                f"| {name} {shape} | {rows} | {a:.1f} | {b:.1f} | {b / a:.3f} "
+                f"| {np.abs(outputs[0] - outputs[1]).max():.1e} |"
+            )
+            table.append(line)
+            print(line, flush=True)
+    against = short_commit(args.against)
+    software = f"TVM {tvm.__version__}, kernels for --cpu {args.cpu}"
+    section = "\n".join(
+        [
+            f"## CPU attention kernels alone (`scripts/bench_attention.py`) against `{against}`",
+            "",
+            *machine_context(load, software, f"{args.threads} threads"),
+            f"- A: `{ATTENTION}` at `{args.against}` (`{against}`); B: this tree (HEAD "
+            f"`{short_commit('HEAD')}`)",
+            f"- One sequence with {args.context} keys in the pages; 1 row: the decode kernel, "
+            "more: the paged prefill kernel (prefix attention of a verify step). Medians of "
+            f"{args.rounds} rounds of {CALLS} calls, the versions taking turns to go first (one "
+            "warm-up round dropped)",
+            "",
+            *table,
+        ]
+    )
+    print(section)
+    if args.write:
+        write_section(args.write, f"bench_attention-{against}-{args.cpu}", section)
+
+
+if __name__ == "__main__":
+    main()
