@@ -133,6 +133,10 @@ PAIRS = {
         "bench_speculative-smollm2-self",
     ),
 }
+# The engine's timers (``LLM.metrics()["seconds"]``) that split our configs' time: the target's
+# prefill, the draft's passes (its own prefill of each prompt included), verification and plain
+# decode steps; what the rest of a step took is the generate calls' wall time less these.
+PHASES = ("prefill", "draft", "verify", "decode")
 # each config's no-speculation baseline: the same system without a proposer
 BASELINE = {**dict.fromkeys(OURS, "nospec"), **dict.fromkeys(LLAMA, "llama")}
 
@@ -149,6 +153,7 @@ class Run:
     seconds: float
     mean_accepted_length: float | None = None  # tokens per verification step
     acceptance: float | None = None  # accepted / drafted tokens
+    phases: dict[str, float] | None = None  # ours: engine seconds per phase (PHASES)
 
     @property
     def tokens_per_s(self) -> float:
@@ -162,11 +167,15 @@ def log(run: Run) -> Run:
 
 
 def timed(
-    generate: Callable[[list[int], int], T], prompts: list[list[int]], max_tokens: int
+    generate: Callable[[list[int], int], T],
+    prompts: list[list[int]],
+    max_tokens: int,
+    after_warm_up: Callable[[], None] = lambda: None,
 ) -> tuple[list[T], float]:
     """``generate(ids, max_tokens)`` prompt by prompt (one request at a time: batch 1) and the
     summed wall time, after an untimed warm-up that pays first-call costs (threads, buffers)."""
     generate(prompts[0], WARMUP_TOKENS)
+    after_warm_up()
     results, seconds = [], 0.0
     for ids in prompts:
         start = time.perf_counter()
@@ -193,9 +202,14 @@ def run_ours(
         params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=False)
         return llm.generate([ids], params)[0].outputs[0]
 
-    completions, seconds = timed(generate, prompts, max_tokens)
+    warm = {}
+    completions, seconds = timed(
+        generate, prompts, max_tokens, lambda: warm.update(llm.metrics()["seconds"])
+    )
     outputs = [c.token_ids for c in completions]
     run = Run(name, label, outputs, sum(map(len, outputs)), seconds)
+    timers = llm.metrics()["seconds"]
+    run.phases = {p: timers.get(p, 0.0) - warm.get(p, 0.0) for p in PHASES}
     if speculative is not None:
         stats = SpecStats()
         for completion in completions:
@@ -409,9 +423,30 @@ def report(
             "",
             *summary(runs),
             memory.line(),
+            *phase_table(runs),
             *(["", f"![tokens/s against k]({plot})"] if plot else []),
         ]
     )
+
+
+def phase_table(runs: list[Run]) -> list[str]:
+    """Where our configs' time went, in seconds over all prompts (``PHASES``)."""
+    ours = [r for r in runs if r.phases is not None]
+    if not ours:
+        return []
+    lines = [
+        "",
+        "Where our time went, seconds over the prompts (engine timers; the draft's include its "
+        "prefill of each prompt; other: sampling, scheduling and the Python between):",
+        "",
+        f"| config | total | {' | '.join(PHASES)} | other |",
+        "|---|---:|" + "---:|" * (len(PHASES) + 1),
+    ]
+    for r in ours:
+        cells = [f"{r.phases[p]:.2f}" for p in PHASES]
+        other = r.seconds - sum(r.phases.values())
+        lines.append(f"| {r.label} | {r.seconds:.2f} | {' | '.join(cells)} | {other:.2f} |")
+    return lines
 
 
 def step_cost_note(costs: StepCosts) -> list[str]:
