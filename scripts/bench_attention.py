@@ -122,7 +122,8 @@ def main() -> None:
     software = f"TVM {tvm.__version__}, kernels for --cpu {args.cpu}"
     section = "\n".join(
         [
-            f"## CPU attention kernels alone (`scripts/bench_attention.py`) against `{against}`",
+            f"## CPU attention kernels alone (`scripts/bench_attention.py`) against `{against}`"
+            + (f" (--cpu {args.cpu})" if args.cpu != "native" else ""),
             "",
             *machine_context(load, software, f"{args.threads} threads"),
             f"- A: `{ATTENTION}` at `{args.against}` (`{against}`); B: this tree (HEAD "
