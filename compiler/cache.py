@@ -49,12 +49,14 @@ def compiled(
     show_progress: bool = True,
     activations: str = "float",
     lm_head: str | None = None,
+    lm_head_vocab: int | None = None,
 ) -> Path:
     """The CPU artifact of the PyPI model ``name``, compiled on first use (``compile_model``
     only ever renames a complete artifact into place, so a cached one is whole)."""
     cpu = make_target("llvm").attrs["mcpu"]
     layers = f"-{num_layers}-layers" if num_layers is not None else ""
     head = f"-{lm_head}-head" if lm_head is not None else ""
+    head += f"-vocab{lm_head_vocab}" if lm_head_vocab is not None else ""
     kind = f"{cpu}-{quantization}-{activations}{layers}{head}"
     artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}-{_this_code()}"
     if not artifact.exists():
@@ -67,5 +69,6 @@ def compiled(
             show_progress=show_progress,
             activations=activations,
             lm_head=lm_head,
+            lm_head_vocab=lm_head_vocab,
         )
     return artifact

@@ -26,6 +26,7 @@ from mlc_spec.runtime.artifact import (
 from . import flashinfer
 from .convert import convert_parameters
 from .errors import CompileError
+from .head_vocab import head_vocab
 from .int8_matmul import Int8Matmul, check_activations
 from .pipeline import relax_pipeline
 from .progress import Progress
@@ -56,6 +57,7 @@ def compile_model(
     cpu: str = "native",
     activations: str = "float",
     lm_head: str | None = None,
+    lm_head_vocab: int | None = None,
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
     ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
@@ -66,7 +68,8 @@ def compile_model(
     ``activations`` ``int8`` quantizes the activations of the quantized linear layers for
     integer dot products (``compiler/int8_matmul.py``; llvm only), ``float`` keeps them;
     ``lm_head`` (``q4`` / ``q8``) group-quantizes the LM head anew, for a draft model
-    (``requantize_lm_head``).
+    (``requantize_lm_head``); ``lm_head_vocab`` has it score only the first token ids, also
+    for a draft (``head_vocab``).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -80,6 +83,8 @@ def compile_model(
     attention = attention or ATTENTION[target][0]
     check_attention(target, attention)
     check_activations(activations, tvm_target)
+    if lm_head_vocab is not None and target != "llvm":
+        raise CompileError("--lm-head-vocab is built for --target llvm only (a CPU kernel)")
     progress = Progress(show_progress)
 
     with progress.stage(f"reading {model}"):
@@ -90,6 +95,8 @@ def compile_model(
             cfg = ModelConfig.from_hf(source.config, dtype)
         except ConfigError as err:
             raise CompileError(f"{model}: {err}") from None
+        if lm_head_vocab is not None:
+            source, cfg = head_vocab(source, cfg, lm_head_vocab)
     if attention == "flashinfer":
         flashinfer.check_supported(cfg, cuda_arch)
     quantization = quantization or ("as-source" if source.stored_formats else "none")

@@ -42,6 +42,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     dtype: str = "float32"
+    # Token ids the LM head scores, the first ones (``--lm-head-vocab``, for a draft); None: all.
+    lm_head_vocab: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:

@@ -17,6 +17,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import (
     RopeMode,
     TIRPagedKVCache,
 )
+from tvm.script import tirx as T
 from tvm.target import Target
 
 from .config import ModelConfig
@@ -106,6 +107,27 @@ class Backbone(nn.Module):
         return self.norm(x)
 
 
+def _unscored_at_minus_inf(scored: int, vocab: int) -> tirx.PrimFunc:
+    """Logits [rows, scored] -> [rows, vocab] with the ids from ``scored`` on at -inf: a kernel
+    of its own (scheduled here, never fused), since no CPU schedule rule takes it fused into the
+    LM head's matmul."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def unscored_logits(var_x: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "op_pattern": 8, "tirx.noalias": True})
+        rows = T.int64()
+        x = T.match_buffer(var_x, (rows, scored), "float32")
+        out = T.match_buffer(var_out, (rows, vocab), "float32")
+        for r in T.parallel(rows):
+            with T.sblock("row"):
+                for v in range(scored):
+                    out[r, v] = x[r, v]
+                for v in range(vocab - scored):
+                    out[r, scored + v] = T.float32(float("-inf"))
+
+    return unscored_logits
+
+
 class LlamaForCausalLM(nn.Module):
     """Exports ``prefill``, ``decode``, ``evaluate_multi_query`` and ``create_paged_kv_cache``.
 
@@ -122,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         self.extern_mods: list[runtime.Module] = []
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            rows = cfg.lm_head_vocab or cfg.vocab_size
+            self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
         embed = self.model.embed_tokens
@@ -132,7 +155,17 @@ class LlamaForCausalLM(nn.Module):
             logits = op.matmul(h, op.permute_dims(embed.weight))
         else:
             logits = self.lm_head(h)
-        return logits if logits.dtype == "float32" else logits.astype("float32")
+        logits = logits if logits.dtype == "float32" else logits.astype("float32")
+        if self.cfg.lm_head_vocab:  # the ids the head does not score: never chosen
+            scored, vocab = self.cfg.lm_head_vocab, self.cfg.vocab_size
+            full = op.tensor_ir_op(
+                _unscored_at_minus_inf(scored, vocab),
+                "unscored_logits",
+                [op.reshape(logits, (-1, scored))],
+                nn.Tensor.placeholder((logits.shape[0] * logits.shape[1], vocab), "float32"),
+            )
+            logits = op.reshape(full, (*logits.shape[:-1], vocab))
+        return logits
 
     def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv: PagedKVCache):
         """New tokens of one or more sequences [1, total]; logits at ``logit_positions``

@@ -391,15 +391,20 @@ def report(
     return "\n".join(
         [
             f"## Speculative decoding end to end: {pair.title} on HumanEval"
-            + (f", draft LM head {settings['draft_lm_head']}" if settings["draft_lm_head"] else ""),
+            + (f", draft LM head {settings['draft_lm_head']}" if settings["draft_lm_head"] else "")
+            + (
+                f", draft scoring the first {settings['draft_lm_head_vocab']} ids"
+                if settings["draft_lm_head_vocab"]
+                else ""
+            ),
             "",
             f"The first {settings['num_prompts']} HumanEval prompts (the raw `prompt` field), "
             f"greedy, batch 1, up to {settings['max_tokens']} new tokens each (EOS stops early). "
             f"{pair.description}; mlc-spec compiled with `--quantization "
             f"{settings['quantization']} --activations {settings['activations']}`"
             + (
-                f" (the draft also with `--lm-head-quantization {settings['draft_lm_head']}`)"
-                if settings["draft_lm_head"]
+                f" (the draft also with `{' '.join(draft_flags(settings))}`)"
+                if draft_flags(settings)
                 else ""
             )
             + "; "
@@ -427,6 +432,16 @@ def report(
             *(["", f"![tokens/s against k]({plot})"] if plot else []),
         ]
     )
+
+
+def draft_flags(settings: dict[str, Any]) -> list[str]:
+    """The draft's own compile flags, as ``mlc-spec compile`` spells them."""
+    flags = []
+    if settings["draft_lm_head"]:
+        flags.append(f"--lm-head-quantization {settings['draft_lm_head']}")
+    if settings["draft_lm_head_vocab"]:
+        flags.append(f"--lm-head-vocab {settings['draft_lm_head_vocab']}")
+    return flags
 
 
 def phase_table(runs: list[Run]) -> list[str]:
@@ -589,6 +604,12 @@ def main() -> None:
         choices=LM_HEAD_QUANTIZATIONS,
         help="compile the draft with its LM head group-quantized anew (--lm-head-quantization)",
     )
+    parser.add_argument(
+        "--draft-lm-head-vocab",
+        type=int,
+        metavar="N",
+        help="compile the draft with an LM head scoring only the first N ids (--lm-head-vocab)",
+    )
     parser.add_argument("--num-prompts", type=int, default=5, help="the first N HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument(
@@ -606,7 +627,11 @@ def main() -> None:
     pair = PAIRS[args.pair]
     target = compiled(pair.target, args.quantization, activations=args.activations)
     draft = compiled(
-        pair.draft, args.quantization, activations=args.activations, lm_head=args.draft_lm_head
+        pair.draft,
+        args.quantization,
+        activations=args.activations,
+        lm_head=args.draft_lm_head,
+        lm_head_vocab=args.draft_lm_head_vocab,
     )
     texts = humaneval_prompts(args.num_prompts)
     tokenizer = Tokenizer(target)
@@ -652,6 +677,8 @@ def main() -> None:
         name = section_name(pair.section, args.activations)
         if args.draft_lm_head:
             name += f"-draft-{args.draft_lm_head}-head"
+        if args.draft_lm_head_vocab:
+            name += f"-vocab{args.draft_lm_head_vocab}"
         write_section(args.write, name, section)
 
 

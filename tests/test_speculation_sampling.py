@@ -5,6 +5,7 @@ and a deliberately broken acceptance rule is caught by the same check."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from stats import chi2_rejects
 from tiny_models import perturbed_copy
 
 from mlc_spec import LLM, SamplingParams
+from mlc_spec.compiler.compile import compile_model
 from mlc_spec.runtime.sampler import Sampler
 
 V = SMALL_VOCAB
@@ -115,6 +117,21 @@ def test_sampling_is_exact_under_random_k(pair, method):
     assert not chi2_rejects(counts.ravel(), joint.ravel())
     chosen = llm.metrics()["speculation"]["sequence_steps_by_k"]
     assert chosen[0] > 0 and chosen[1] > 0  # both paths, mixed within steps
+    assert 0.05 < llm.metrics()["acceptance_rate"] < 0.95
+
+
+def test_a_draft_scoring_only_some_ids_keeps_the_target_distribution(pair, tmp_path_factory):
+    """``--lm-head-vocab 5`` of 8: the draft never proposes ids 5-7, so wherever the target
+    samples one of them, the residual alone must supply it."""
+    target, draft = pair
+    root = tmp_path_factory.mktemp("v8_draft_5_ids")
+    trimmed = compile_model(
+        draft.checkpoint, "llvm", root / "artifact", show_progress=False, lm_head_vocab=5
+    )
+    llm = _llm((target, SimpleNamespace(artifact=trimmed)), "draft")
+    counts = sample_counts(llm, PARAMS["temperature 1"])
+    joint = exact_joint(target.hf, SamplingParams(**PARAMS["temperature 1"]))
+    assert not chi2_rejects(counts.ravel(), joint.ravel())
     assert 0.05 < llm.metrics()["acceptance_rate"] < 0.95
 
 

@@ -28,6 +28,7 @@ def _compile(args: argparse.Namespace) -> None:
         cpu=args.cpu,
         activations=args.activations,
         lm_head=args.lm_head_quantization,
+        lm_head_vocab=args.lm_head_vocab,
     )
 
 
@@ -166,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="q4 / q8: group-quantize the LM head anew (the embedding table where they are tied), "
         "whatever the source stores; for a draft model, whose head is a large part of each step "
         "(lossy for that model only: the target verifies every draft token)",
+    )
+    p.add_argument(
+        "--lm-head-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score only the first N token ids (the rest get -inf logits): for a draft model, "
+        "whose head is a large part of each step and whose rare tokens' ids are high "
+        "(speculation stays lossless: the target verifies every draft token)",
     )
     p.add_argument(
         "--activations",
