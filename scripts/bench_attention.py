@@ -20,11 +20,17 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
+from functools import partial
 
 import numpy as np
-from bench_kernel import module_at, short_commit
-from benchdoc import machine_context, start_load, usable_cores, write_section
+from bench_kernel import (
+    add_run_arguments,
+    alternating_medians,
+    module_at,
+    shape_names,
+    short_commit,
+)
+from benchdoc import machine_context, start_load, write_section
 
 ATTENTION = "compiler/cpu_attention.py"
 PAGE = 16
@@ -43,20 +49,29 @@ def page_pool(rng: np.random.Generator, context: int, h_kv: int, d: int) -> list
     return [pages, np.array([0, used], np.int32), values, np.array([last], np.int32)]
 
 
-def call_arguments(rows: int, h_q: int, d: int, pool: list, rng) -> list:
-    """The kernel's arguments: decode's for one row, the paged prefill's (not causal) else."""
+def call_arguments(rows: int, h_q: int, d: int, pool: list, rng) -> tuple[list, object]:
+    """The kernel's arguments, decode's for one row, the paged prefill's (not causal) else,
+    and the output tensor among them."""
     import tvm
 
     q = rng.standard_normal((rows, h_q, d)).astype(np.float32)
     zeros = np.zeros(rows, np.int32)
-    out, lse = np.zeros_like(q), np.zeros((rows, h_q), np.float32)
+    out, lse = (tvm.runtime.tensor(a) for a in (np.zeros_like(q), np.zeros((rows, h_q), "f4")))
     if rows == 1:
-        arrays, scalars = [q, *pool, zeros, zeros, out, lse], [0, 1.0, 1e4, 0.1]
+        arrays, scalars = [q, *pool, zeros, zeros], [0, 1.0, 1e4, 0.1]
     else:
         q_indptr = np.array([0, rows], np.int32)
-        arrays = [q, q_indptr, *pool, np.zeros(1, np.int32), zeros, out, lse]
+        arrays = [q, q_indptr, *pool, np.zeros(1, np.int32), zeros]
         scalars = [0, 0, 1.0, 1e4, 0.1]
-    return [tvm.runtime.tensor(a) for a in arrays] + scalars
+    return [*(tvm.runtime.tensor(a) for a in arrays), out, lse, *scalars], out
+
+
+def time_calls(kernel, arguments: list) -> float:
+    """Seconds per call over ``CALLS`` calls."""
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        kernel(*arguments)
+    return (time.perf_counter() - start) / CALLS
 
 
 def build(module, target, shape: tuple[int, int, int], rows: int):
@@ -72,14 +87,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=133, help="prefix keys; default 133")
     parser.add_argument("--rows", default="1,4,5,8", help="query rows; default 1,4,5,8")
     parser.add_argument("--shapes", default=",".join(HEADS), help=f"of {', '.join(HEADS)}")
-    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
-    parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
-    parser.add_argument("--cpu", default="native", help="LLVM CPU, e.g. x86-64-v3; default native")
-    parser.add_argument("--write", type=Path, help="record the table in this markdown file")
+    add_run_arguments(parser)
     args = parser.parse_args()
-    unknown = set(args.shapes.split(",")) - set(HEADS)
-    if unknown:
-        parser.error(f"unknown --shapes {', '.join(sorted(unknown))} (known: {', '.join(HEADS)})")
+    shapes = shape_names(parser, args.shapes, HEADS)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import tvm
 
@@ -94,24 +104,19 @@ def main() -> None:
         "| model heads (KV, query, size) | rows | A µs | B µs | B / A | max difference |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name in args.shapes.split(","):
+    for name in shapes:
         shape = HEADS[name]
         pool = page_pool(rng, args.context, shape[0], shape[2])
         for rows in (int(r) for r in args.rows.split(",")):
-            arguments = call_arguments(rows, shape[1], shape[2], pool, rng)
+            arguments, out = call_arguments(rows, shape[1], shape[2], pool, rng)
             kernels = {v: build(m, target, shape, rows) for v, m in versions.items()}
             outputs = []
             for kernel in kernels.values():
                 kernel(*arguments)
-                outputs.append(arguments[-6 if rows == 1 else -7].numpy().copy())
-            times = {v: [] for v in kernels}
-            for round_ in range(args.rounds + 1):  # the first round warms up and is dropped
-                for v in sorted(kernels, reverse=bool(round_ % 2)):
-                    start = time.perf_counter()
-                    for _ in range(CALLS):
-                        kernels[v](*arguments)
-                    times[v].append((time.perf_counter() - start) / CALLS)
-            a, b = (float(np.median(times[v][1:])) * 1e6 for v in ("A", "B"))
+                outputs.append(out.numpy().copy())
+            timers = {v: partial(time_calls, k, arguments) for v, k in kernels.items()}
+            medians = alternating_medians(timers, args.rounds)
+            a, b = medians["A"] * 1e6, medians["B"] * 1e6
             line = (
                 f"| {name} {shape} | {rows} | {a:.1f} | {b:.1f} | {b / a:.3f} "
                 f"| {np.abs(outputs[0] - outputs[1]).max():.1e} |"

@@ -26,7 +26,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -174,13 +176,40 @@ def medians(kernels: dict[str, Kernel], m: int, rounds: int, rng) -> tuple[dict,
     """Seconds per call of each version at M = m, and whether all wrote the same bits."""
     activations, _ = random_arguments(next(iter(kernels.values())).func, m, rng)
     same = same_outputs(kernels, activations)
-    calls = {v: (k.call, k.argument_lists(activations)) for v, k in kernels.items()}
-    times = {v: [] for v in kernels}
-    for round_ in range(rounds + 1):  # the first round warms up and is dropped
+    timers = {
+        v: partial(time_round, k.call, k.argument_lists(activations)) for v, k in kernels.items()
+    }
+    return alternating_medians(timers, rounds), same
+
+
+def alternating_medians(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each version's median of its timer's seconds over ``rounds`` rounds, after a warm-up
+    round that is dropped; in each round every version runs once."""
+    times = {v: [] for v in timers}
+    for round_ in range(rounds + 1):
         # Each goes first every other round: in an A/A run going second was worth 1-5%.
-        for v in sorted(calls, reverse=bool(round_ % 2)):
-            times[v].append(time_round(*calls[v]))
-    return {v: float(np.median(t[1:])) for v, t in times.items()}, same
+        for v in sorted(timers, reverse=bool(round_ % 2)):
+            times[v].append(timers[v]())
+    return {v: float(np.median(t[1:])) for v, t in times.items()}
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every kernel benchmark takes: rounds, threads, CPU and where to record."""
+    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
+    parser.add_argument(
+        "--cpu", default="native", help="LLVM CPU: x86-64-v3 (AVX2) etc.; default native"
+    )
+    parser.add_argument("--write", type=Path, help="record the table in this markdown file")
+
+
+def shape_names(parser: argparse.ArgumentParser, value: str, known) -> list[str]:
+    """The comma-separated ``--shapes``; a parser error names any not in ``known``."""
+    names = value.split(",")
+    unknown = set(names) - set(known)
+    if unknown:
+        parser.error(f"unknown --shapes {', '.join(sorted(unknown))} (known: {', '.join(known)})")
+    return names
 
 
 def main() -> None:
@@ -192,16 +221,9 @@ def main() -> None:
     )
     parser.add_argument("--rows", default="1,2,3,4,8", help="activation rows M; default 1,2,3,4,8")
     parser.add_argument("--shapes", default="gate_up,down", help=f"of {', '.join(SHAPES)}")
-    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds; default 12")
-    parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
-    parser.add_argument(
-        "--cpu", default="native", help="LLVM CPU: x86-64-v3 (AVX2) etc.; default native"
-    )
-    parser.add_argument("--write", type=Path, help="record the table in this markdown file")
+    add_run_arguments(parser)
     args = parser.parse_args()
-    unknown = set(args.shapes.split(",")) - set(SHAPES)
-    if unknown:
-        parser.error(f"unknown --shapes {', '.join(sorted(unknown))} (known: {', '.join(SHAPES)})")
+    shapes = shape_names(parser, args.shapes, SHAPES)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import tvm
 
@@ -228,7 +250,7 @@ def main() -> None:
         f"| shape | M | {' | '.join(header)} | same bits |",
         "|---|---:|" + "---:|" * len(header) + "---|",
     ]
-    for kind in args.shapes.split(","):
+    for kind in shapes:
         kernels = {v: build(module, target, kind, rng) for v, module in versions.items()}
         for m in rows:
             seconds, same = medians(kernels, m, args.rounds, rng)

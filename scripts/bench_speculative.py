@@ -367,6 +367,7 @@ def report(
 ) -> str:
     """The markdown section: how it was measured, the table, losslessness and the speed-ups."""
     by_name = {r.name: r for r in runs}
+    flags = draft_flags(settings)
     lines = [
         "| config | tokens/s | speed-up vs own no-spec | mean accepted length | acceptance "
         "| acceptance bound (measured / bound) | same output as own no-spec |",
@@ -402,11 +403,7 @@ def report(
             f"greedy, batch 1, up to {settings['max_tokens']} new tokens each (EOS stops early). "
             f"{pair.description}; mlc-spec compiled with `--quantization "
             f"{settings['quantization']} --activations {settings['activations']}`"
-            + (
-                f" (the draft also with `{' '.join(draft_flags(settings))}`)"
-                if draft_flags(settings)
-                else ""
-            )
+            + (f" (the draft also with `{' '.join(flags)}`)" if flags else "")
             + "; "
             "llama.cpp runs the GGUFs as shipped and tokenizes the same prompt text itself; "
             "transformers dequantizes them to float32 and gets our prompt token ids. Tokens/s is "
