@@ -86,6 +86,17 @@ def _row_macros(d: int, dtype: str):
         st[0] = T.float32(_EMPTY)
 
     @T.macro
+    def partial_dot(kf, k_row, q_loc, out, at):
+        """The query times the K row at ``k_row``: LANES partial sums into ``out[at:]``."""
+        for lane in T.vectorized(LANES):
+            out[at + lane] = T.float32(0)
+        for c in T.unroll(vecs):
+            for lane in T.vectorized(LANES):
+                out[at + lane] = out[at + lane] + q_loc[c * LANES + lane] * T.cast(
+                    kf[k_row + c * LANES + lane], "float32"
+                )
+
+    @T.macro
     def add_value(vf, v_row, weight, o_loc):
         for c in T.unroll(vecs):
             for lane in T.vectorized(LANES):
@@ -124,13 +135,7 @@ def _row_macros(d: int, dtype: str):
         for lane in T.vectorized(PAGE):
             s_loc[lane] = T.float32(_MASKED)
         for r in range(n):
-            for lane in T.vectorized(LANES):
-                acc[lane] = T.float32(0)
-            for c in T.unroll(vecs):
-                for lane in T.vectorized(LANES):
-                    acc[lane] = acc[lane] + q_loc[c * LANES + lane] * T.cast(
-                        kf[k_base + r * stride + c * LANES + lane], "float32"
-                    )
+            partial_dot(kf, k_base + r * stride, q_loc, acc, 0)
             s_loc[r] = _butterfly(acc, tirx.Add)
         update(vf, v_base, stride, n, state)
 
@@ -152,13 +157,7 @@ def _row_macros(d: int, dtype: str):
         masked), dot products side by side."""
         q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
         for r in T.unroll(PAGE):
-            for lane in T.vectorized(LANES):
-                dots[r * LANES + lane] = T.float32(0)
-            for c in T.unroll(vecs):
-                for lane in T.vectorized(LANES):
-                    dots[r * LANES + lane] = dots[r * LANES + lane] + q_loc[
-                        c * LANES + lane
-                    ] * T.cast(kf[k_base + r * stride + c * LANES + lane], "float32")
+            partial_dot(kf, k_base + r * stride, q_loc, dots, r * LANES)
         transpose_sum(dots, red)
         for lane in T.vectorized(PAGE):
             s_loc[lane] = T.Select(lane < n, red[lane], T.float32(_MASKED))
