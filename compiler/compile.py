@@ -63,7 +63,8 @@ def compile_model(
     ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
     ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm);
     ``quantization`` is one of ``QUANTIZATIONS`` (default: ``as-source`` for a GGUF file,
-    whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory);
+    whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory;
+    ``q4`` / ``q8`` keep a file's tensors of at most that many bits and quantize the others);
     ``cpu`` is the CPU an llvm artifact is built for (``native`` or e.g. ``x86-64-v3``);
     ``activations`` ``int8`` quantizes the activations of the quantized linear layers for
     integer dot products (``compiler/int8_matmul.py``; llvm only), ``float`` keeps them;
@@ -112,7 +113,7 @@ def compile_model(
         int8_formats=activations == "int8",
     )
     if lm_head is not None:
-        plan = requantize_lm_head(plan, weights, lm_head)
+        plan = requantize_lm_head(plan, weights, lm_head, int8_formats=activations == "int8")
     if activations == "int8" and not any(how.fmt for how in plan.values()):
         raise CompileError(
             f"--activations int8 applies to quantized weights; --quantization {quantization} "

@@ -100,4 +100,4 @@ def _quantized(
         return concat_rows([p if p.fmt == how.fmt else to_portable(p) for p in stored])
     floats = [np.asarray(p, dtype=np.float32) for p in parts(weight, source.tensors)]
     w = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=0)
-    return quantize_symmetric(w, how.fmt.bits, how.fmt.group_size)
+    return quantize_symmetric(w, how.fmt.bits, how.fmt.group_size, how.fmt.half_scales)

@@ -17,8 +17,8 @@ acceptance allows at the measured step costs (``step_costs``); ``--plot`` draws 
 against k for both systems. The engine's peak RSS is measured in a child process.
 
     python scripts/bench_speculative.py [--pair qwen|smollm2-self] [--quantization as-source]
-        [--activations float|int8]
-        [--num-prompts 5] [--max-tokens 64]
+        [--activations float|int8] [--draft-quantization q4] [--draft-lm-head q4]
+        [--draft-lm-head-vocab N] [--num-prompts 5] [--max-tokens 64]
         [--only nospec,ngram,draft1,...,llama,llama-spec1,...,hf,...]
         [--write PATH] [--plot PNG]
 """
@@ -392,6 +392,11 @@ def report(
     return "\n".join(
         [
             f"## Speculative decoding end to end: {pair.title} on HumanEval"
+            + (
+                f", draft quantization {settings['draft_quantization']}"
+                if settings["draft_quantization"]
+                else ""
+            )
             + (f", draft LM head {settings['draft_lm_head']}" if settings["draft_lm_head"] else "")
             + (
                 f", draft scoring the first {settings['draft_lm_head_vocab']} ids"
@@ -434,6 +439,8 @@ def report(
 def draft_flags(settings: dict[str, Any]) -> list[str]:
     """The draft's own compile flags, as ``mlc-spec compile`` spells them."""
     flags = []
+    if settings["draft_quantization"]:
+        flags.append(f"--quantization {settings['draft_quantization']}")
     if settings["draft_lm_head"]:
         flags.append(f"--lm-head-quantization {settings['draft_lm_head']}")
     if settings["draft_lm_head_vocab"]:
@@ -597,6 +604,12 @@ def main() -> None:
         help="how our quantized linear layers take activations: float (default) or int8",
     )
     parser.add_argument(
+        "--draft-quantization",
+        choices=QUANTIZATIONS,
+        help="compile the draft so instead (default: as --quantization); q4 narrows the 0.5B "
+        "draft's 5- to 8-bit tensors to 4 bits",
+    )
+    parser.add_argument(
         "--draft-lm-head",
         choices=LM_HEAD_QUANTIZATIONS,
         help="compile the draft with its LM head group-quantized anew (--lm-head-quantization)",
@@ -625,7 +638,7 @@ def main() -> None:
     target = compiled(pair.target, args.quantization, activations=args.activations)
     draft = compiled(
         pair.draft,
-        args.quantization,
+        args.draft_quantization or args.quantization,
         activations=args.activations,
         lm_head=args.draft_lm_head,
         lm_head_vocab=args.draft_lm_head_vocab,
@@ -672,6 +685,8 @@ def main() -> None:
     print(section)
     if args.write:
         name = section_name(pair.section, args.activations)
+        if args.draft_quantization:
+            name += f"-draft-{args.draft_quantization}"
         if args.draft_lm_head:
             name += f"-draft-{args.draft_lm_head}-head"
         if args.draft_lm_head_vocab:

@@ -68,7 +68,9 @@ class TinyModel:
             activations=activations,
         )
         if quantization is not None:
-            self.hf = quantize_dequantize(self.hf, bits=int(quantization[1:]))
+            self.hf = quantize_dequantize(
+                self.hf, bits=int(quantization[1:]), half_scales=activations == "int8"
+            )
         if activations == "int8":
             self.hf = fake_quantize_activations(self.hf)
 

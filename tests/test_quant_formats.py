@@ -205,26 +205,34 @@ def test_tensor_validates_its_arrays() -> None:
         QuantizedTensor(two_level, codes, small.astype(np.float32), small, supers, supers)
 
 
-@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 32), (4, 16), (8, 16)])
-def test_quantize_symmetric(bits: int, group_size: int) -> None:
+@pytest.mark.parametrize(
+    ("bits", "group_size", "half"),
+    [(4, 32, False), (8, 32, False), (4, 16, False), (8, 16, False), (4, 32, True), (8, 32, True)],
+)
+def test_quantize_symmetric(bits: int, group_size: int, half: bool) -> None:
+    """Codes and scales by the rule; with float16 scales (``half``) the codes are those of the
+    rounded scale, so the scale/2 bound holds for the scale stored."""
     w = _weights(np.random.default_rng(bits + group_size), (7, 128))
-    qt = quantize_symmetric(w, bits, group_size)
-    assert qt.fmt == GroupFormat(bits, group_size) and qt.offsets is None
+    qt = quantize_symmetric(w, bits, group_size, half_scales=half)
+    assert qt.fmt == GroupFormat(bits, group_size, half_scales=half) and qt.offsets is None
+    assert qt.scales.dtype == (np.float16 if half else np.float32)
     assert qt.nbytes == 7 * 128 * bits // 8 + qt.scales.nbytes
 
     max_int = 2 ** (bits - 1) - 1
     groups = w.reshape(7, -1, group_size)
     scales = np.abs(groups).max(axis=2, keepdims=True) / np.float32(max_int)
+    if half:
+        scales = scales.astype(np.float16).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(scales == 0, 0, np.clip(np.rint(groups / scales), -max_int - 1, max_int))
-    np.testing.assert_array_equal(qt.scales, scales[:, :, 0])
+    np.testing.assert_array_equal(qt.scales.astype(np.float32), scales[:, :, 0])
     np.testing.assert_array_equal(
         unpack_codes(qt.codes, bits), (q + 2 ** (bits - 1)).reshape(w.shape)
     )
 
     deq = dequantize(qt)
     np.testing.assert_array_equal(deq, (scales * q.astype(np.float32)).reshape(w.shape))
-    bound = np.repeat(qt.scales, group_size, axis=1) / 2
+    bound = np.repeat(qt.scales.astype(np.float32), group_size, axis=1) / 2
     assert (np.abs(w - deq) <= bound * (1 + 1e-6)).all()
     assert (deq[0, :64] == 0).all()  # all-zero groups decode to exact zeros
 

@@ -197,6 +197,77 @@ def test_plan_keeps_fused_parts_apart_by_loaded_format():
         )
 
 
+def test_plan_q4_caps_the_code_width():
+    """``q4`` keeps the parts stored in 4 bits as they are and group-quantizes the wider ones
+    (Q4_K q/k with a Q6_K v: Qwen2.5-1.5B Q4_K_M's), each run of parts its own segment; ``q8``
+    keeps every quantized part and quantizes only float ones."""
+    q, k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    stored = {q: format_of(T.Q4_K), k: format_of(T.Q4_K), v: format_of(T.Q6_K)}
+    shapes = {q: (64, 256), k: (16, 256), v: (16, 256)}
+    weights = {"model.layers.0.self_attn.qkv_proj.weight": (96, 256)}
+    capped = plan_quantization(weights, stored, shapes, "q4", int8_formats=True)
+    assert capped == {
+        "model.layers.0.self_attn.qkv_proj.weight.0": Quantize(format_of(T.Q4_K), True, (q, k), 80),
+        "model.layers.0.self_attn.qkv_proj.weight.1": Quantize(
+            GroupFormat(4, 32, half_scales=True), False, (v,), 16
+        ),
+    }
+    as_source = plan_quantization(weights, stored, shapes, "as-source", int8_formats=True)
+    assert plan_quantization(weights, stored, shapes, "q8", int8_formats=True) == as_source
+    with_float = plan_quantization(weights, {**stored, v: None}, shapes, "q8", int8_formats=True)
+    assert with_float["model.layers.0.self_attn.qkv_proj.weight.1"] == Quantize(
+        GroupFormat(8, 32, half_scales=True), False, (v,), 16
+    )
+
+
+def test_gguf_q4_requantizes_wider_tensors_and_matches_transformers(tmp_path):
+    """``--quantization q4`` on a GGUF (for a draft model): the Q4_0/Q4_1/Q4_K tensors load as
+    shipped, every wider or float one is group-quantized to symmetric q4 from the file's
+    values; transformers on the file's values with those same re-quantized ones computes the
+    same logits."""
+    path = write_mixed_gguf(tmp_path / "tiny.gguf", "llama")
+    artifact = compile_model(
+        path, "llvm", tmp_path / "artifact", show_progress=False, quantization="q4"
+    )
+    assert read_config(artifact)["quantization"] == "q4"
+    formats = _stored_formats(artifact)
+    expected = {
+        "model.embed_tokens.weight": "q4g32",  # Q8_0
+        "lm_head.weight": "q4g32",  # Q6_K
+        "model.layers.0.self_attn.qkv_proj.weight.0": "q4g32a",  # Q4_K q, k as shipped
+        "model.layers.0.self_attn.qkv_proj.weight.1": "q4g32",  # Q6_K v
+        "model.layers.0.self_attn.o_proj.weight": "q4g32",  # Q5_K
+        "model.layers.0.mlp.gate_up_proj.weight.0": "q4g32",  # Q4_0 gate as shipped
+        "model.layers.0.mlp.gate_up_proj.weight.1": "q4g32a",  # Q4_1 up as shipped
+        "model.layers.0.mlp.down_proj.weight": "q4g32",  # Q5_0
+        "model.layers.1.self_attn.qkv_proj.weight": "q4g32",  # Q8_0, Q5_0, Q5_1: one run
+        "model.layers.1.self_attn.o_proj.weight": "q4g32",  # F16
+        "model.layers.1.mlp.gate_up_proj.weight": "q4g32a",  # Q4_K as shipped
+        "model.layers.1.mlp.down_proj.weight": "q4g32",  # Q6_K
+    }
+    assert {w: formats.get(w) for w in expected} == expected
+
+    hf = _reference(path, "llama")
+    four_bit = {T.Q4_0, T.Q4_1, T.Q4_K}
+    types = {
+        f"model.layers.{i}.{kind}.weight": t
+        for i, kinds in enumerate(LAYER_TYPES)
+        for kind, t in kinds.items()
+    }
+    requantized = [n for n, t in types.items() if t not in four_bit]
+    requantized += ["model.layers.1.self_attn.o_proj.weight"]  # F16, not in LAYER_TYPES
+    requantized += ["model.embed_tokens.weight", "lm_head.weight"]
+    params = dict(hf.named_parameters())
+    for name in requantized:
+        w = params[name].detach().numpy()
+        params[name].data = torch.from_numpy(dequantize(quantize_symmetric(w, 4)))
+    seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
+    ref = _logits(hf, seq)[35:]
+    ours = _our_logits(artifact, seq)
+    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()  # float32 summation order only
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
 def _logits(hf: torch.nn.Module, seq: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.from_numpy(seq[None]).long()).logits[0].numpy()
@@ -229,7 +300,6 @@ def _refused(tmp_path, path, *fragments: str, **kwargs) -> None:
 
 def test_bad_quantization_requests_are_refused(tmp_path):
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "llama")
-    _refused(tmp_path, path, "q4", "already quantized", "as-source", quantization="q4")
     _refused(tmp_path, path, "unknown quantization 'q3'", quantization="q3")
     _refused(tmp_path, path, "unknown LM head quantization 'q2'", "q4, q8", lm_head="q2")
     unsupported = write_mixed_gguf(

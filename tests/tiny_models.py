@@ -59,9 +59,12 @@ def perturbed_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch
     return draft
 
 
-def quantize_dequantize(model: torch.nn.Module, bits: int) -> torch.nn.Module:
+def quantize_dequantize(
+    model: torch.nn.Module, bits: int, half_scales: bool = False
+) -> torch.nn.Module:
     """A copy of ``model`` whose linear and embedding weights went through symmetric group-32
-    quantization and back: the float model a q4/q8 artifact of ``model`` computes."""
+    quantization and back: the float model a q4/q8 artifact of ``model`` computes (with int8
+    activations, whose q4/q8 keep float16 scales: ``half_scales``)."""
     from mlc_spec.compiler.quantization import dequantize, quantize_symmetric
 
     copy = transformers.AutoModelForCausalLM.from_config(model.config).eval().float()
@@ -70,7 +73,8 @@ def quantize_dequantize(model: torch.nn.Module, bits: int) -> torch.nn.Module:
         for module in copy.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 w = module.weight.numpy()
-                module.weight.copy_(torch.from_numpy(dequantize(quantize_symmetric(w, bits))))
+                qt = quantize_symmetric(w, bits, half_scales=half_scales)
+                module.weight.copy_(torch.from_numpy(dequantize(qt)))
     return copy
 
 

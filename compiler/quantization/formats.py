@@ -321,27 +321,33 @@ def permute_rows(qt: QuantizedTensor, index: np.ndarray) -> QuantizedTensor:
     return take_rows(qt, index)
 
 
-def quantize_symmetric(w: np.ndarray, bits: int, group_size: int = 32) -> QuantizedTensor:
+def quantize_symmetric(
+    w: np.ndarray, bits: int, group_size: int = 32, half_scales: bool = False
+) -> QuantizedTensor:
     """Symmetric group quantization of float weights (``--quantization q4`` / ``q8``).
 
-    Per group, scale = absmax / (2**(bits-1) - 1) and q = clip(rint(w / scale), -2**(bits-1),
-    2**(bits-1) - 1) with rint rounding half to even; the code is q + zero. So every weight is
-    within scale/2 of its decoded value (float32 rounding aside), and an all-zero group gets
-    scale 0 and code ``zero``, which decodes to exact zeros.
+    Per group, scale = absmax / (2**(bits-1) - 1) (rounded to float16 with ``half_scales``,
+    as GGUF's Q4_0 / Q8_0 store it) and q = clip(rint(w / scale), -2**(bits-1), 2**(bits-1) - 1)
+    with rint rounding half to even; the code is q + zero. So every weight is within scale/2 of
+    its decoded value (float32 rounding aside), and an all-zero group gets scale 0 and code
+    ``zero``, which decodes to exact zeros.
     """
     w = np.asarray(w, dtype=np.float32)
-    fmt = GroupFormat(bits, group_size)
+    fmt = GroupFormat(bits, group_size, half_scales=half_scales)
     _check_format_width(w.shape, fmt)
     n, k = w.shape
     max_int = (1 << (bits - 1)) - 1
     codes = np.empty((n, k), dtype=np.uint8)
-    scales = np.empty((n, k // group_size), dtype=np.float32)
+    scales = np.empty((n, k // group_size), dtype=fmt.group_type)
     step = max(1, _CHUNK_ELEMENTS // k)
     for start in range(0, n, step):
         groups = w[start : start + step].reshape(-1, k // group_size, group_size)
         if not np.isfinite(groups).all():
             raise ValueError(f"cannot quantize a weight of shape {w.shape}: it has inf or nan")
         scale = np.abs(groups).max(axis=2) / np.float32(max_int)
+        scale = scale.astype(fmt.group_type).astype(np.float32)  # the scale the codes decode by
+        if not np.isfinite(scale).all():
+            raise ValueError(f"cannot quantize a weight of shape {w.shape}: scales overflow")
         divisor = np.where(scale == 0, np.float32(1), scale)[:, :, None]
         q = np.clip(np.rint(groups / divisor), -max_int - 1, max_int)
         codes[start : start + step] = (q + np.float32(fmt.zero)).astype(np.uint8).reshape(-1, k)

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default=None,
         help="as-source (default for GGUF: keep each tensor's 4/8-bit quantization as shipped), "
-        "q4 / q8 (group-quantize float weights), none (float; default for Hugging Face)",
+        "q4 / q8 (at most 4 / 8 bits: group-quantize float weights and any tensor the file "
+        "stores wider, e.g. a draft's Q5_0 or Q6_K ones), none (float; default for Hugging Face)",
     )
     p.add_argument(
         "--lm-head-quantization",
