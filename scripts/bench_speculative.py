@@ -673,10 +673,12 @@ def main() -> None:
     )
     plot = None
     if args.plot:
+        flags = draft_flags(vars(args))
         title = (
             f"{pair.title}, --quantization {args.quantization} "
             f"--activations {args.activations}\n"
-            f"HumanEval x{args.num_prompts}, greedy, batch 1, {THREADS} threads"
+            + (f"draft: {' '.join(flags)}\n" if flags else "")
+            + f"HumanEval x{args.num_prompts}, greedy, batch 1, {THREADS} threads"
         )
         plot_tokens_per_s(runs, costs, args.plot, title)
         plot = os.path.relpath(args.plot, args.write.parent) if args.write else str(args.plot)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from mlc_spec import LLM, SamplingParams
+from mlc_spec.compiler.cache import compiled
+from mlc_spec.runtime.artifact import read_config
 
 pytestmark = pytest.mark.qwen
 
@@ -38,11 +40,35 @@ def qwen_pair() -> tuple[Path, Path]:
     return script.prepare_pair(show_progress=False)
 
 
-def test_draft_is_lossless_and_mostly_accepted_on_code(qwen_pair):
-    draft, target = qwen_pair
-    reference = [o.outputs[0].token_ids for o in LLM(target, **SIZE).generate(PROMPTS, PARAMS)]
+def _speculate(target: Path, draft: Path) -> tuple[list[list[int]], float]:
+    """Greedy outputs of the prompts with ``draft`` proposing 4 tokens a step, and the
+    acceptance rate; no KV page may stay in use."""
     spec = {"method": "draft", "num_speculative_tokens": 4}
     llm = LLM(target, draft_model=draft, speculative=spec, **SIZE)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference
-    assert llm.metrics()["acceptance_rate"] > 0.5
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+    return outputs, llm.metrics()["acceptance_rate"]
+
+
+def _plain(target: Path) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in LLM(target, **SIZE).generate(PROMPTS, PARAMS)]
+
+
+def test_draft_is_lossless_and_mostly_accepted_on_code(qwen_pair):
+    draft, target = qwen_pair
+    outputs, acceptance = _speculate(target, draft)
+    assert outputs == _plain(target)
+    assert acceptance > 0.5
+
+
+def test_four_bit_draft_is_lossless_and_keeps_its_acceptance(qwen_pair):
+    """The draft with ``--quantization q4`` (its Q5_0, Q6_K and Q8_0 tensors re-quantized to 4
+    bits, its Q4_K ones as shipped) changes nothing in the output and keeps most of the
+    acceptance of the draft as shipped (0.50 against 0.53 at 2026-11-24)."""
+    shipped, target = qwen_pair
+    draft = compiled("qwen2.5-coder-0.5b-instruct", "q4", show_progress=False)
+    formats = {p.format for p in read_config(draft)["params"]}
+    assert "q4g32" in formats and not any(f.startswith(("q5", "q6", "q8")) for f in formats)
+    outputs, acceptance = _speculate(target, draft)
+    assert outputs == _plain(target)
+    assert acceptance >= 0.85 * _speculate(target, shipped)[1]
