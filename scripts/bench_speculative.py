@@ -671,9 +671,10 @@ def main() -> None:
         f"TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
         f"torch.set_num_threads({torch.get_num_threads()}), llama.cpp -t {THREADS} -td {THREADS}",
     )
+    settings = vars(args)
     plot = None
     if args.plot:
-        flags = draft_flags(vars(args))
+        flags = draft_flags(settings)
         title = (
             f"{pair.title}, --quantization {args.quantization} "
             f"--activations {args.activations}\n"
@@ -682,7 +683,6 @@ def main() -> None:
         )
         plot_tokens_per_s(runs, costs, args.plot, title)
         plot = os.path.relpath(args.plot, args.write.parent) if args.write else str(args.plot)
-    settings = vars(args)
     section = report(runs, costs, memory, pair, settings, context, plot)
     print(section)
     if args.write:

@@ -132,10 +132,10 @@ def _load(
     return None if cap is None else Quantize(cap)
 
 
-def _group_format(bits: str, int8_formats: bool) -> GroupFormat:
+def _group_format(quantization: str, int8_formats: bool) -> GroupFormat:
     """The format that ``q4`` / ``q8`` group-quantize to: symmetric per 32, with float16 scales
     where the int8 kernel reads it (GGUF's Q4_0 / Q8_0: 4.5 bits per 4-bit weight, not 5)."""
-    return GroupFormat(int(bits[1:]), _GROUP_SIZE, half_scales=int8_formats)
+    return GroupFormat(int(quantization[1:]), _GROUP_SIZE, half_scales=int8_formats)
 
 
 def _check_groups(weight: str, k: int) -> None:
