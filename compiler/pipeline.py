@@ -16,7 +16,7 @@ from .cpu_rope import UseCPURopeKernel
 from .cpu_rule import SerialWhenSmall
 from .cpu_silu import CPU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
-from .noalias import MarkShapeFuncNoAlias
+from .noalias import MarkNoAlias
 
 
 class _Guarded(ScheduleRule):
@@ -68,7 +68,7 @@ def relax_pipeline(
     (``cpu_rope``); the sampler's argmax and SiLU are vectorised (``cpu_argmax``, ``cpu_silu``)."""
     is_gpu = target.kind.name != "llvm"
     cpu_kernels = [
-        UseCPUAttentionKernels(),
+        UseCPUAttentionKernels(target),
         *([UseCPURopeKernel(*rope)] if rope else []),
         UseCPUArgmaxKernel(),
     ]
@@ -95,7 +95,7 @@ def relax_pipeline(
         rx.transform.LowerRuntimeBuiltin(),
         rx.transform.ComputePrimValue(),
         rx.transform.VMShapeLower(),
-        MarkShapeFuncNoAlias(),
+        MarkNoAlias(),
         rx.transform.AttachGlobalSymbol(),
     ]
 

@@ -77,8 +77,12 @@ def time_calls(kernel, arguments: list) -> float:
 def build(module, target, shape: tuple[int, int, int], rows: int):
     import tvm
 
-    make = module.attention_decode if rows == 1 else module.attention_prefill_paged
-    return tvm.compile(make(*shape, "float32"), target=target)
+    if rows == 1:
+        return tvm.compile(module.attention_decode(*shape, "float32"), target=target)
+    # the paged kernel of a version with query vectors in lanes takes the CPU's lane count
+    lanes = {"lanes": module.float_lanes(target)} if hasattr(module, "float_lanes") else {}
+    kernel = module.attention_prefill_paged(*shape, "float32", **lanes)
+    return tvm.compile(kernel, target=target)
 
 
 def main() -> None:

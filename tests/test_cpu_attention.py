@@ -104,9 +104,12 @@ def test_decode(h_kv, h_q, d):
 
 @pytest.mark.parametrize("h_kv,h_q,d", SHAPES)
 @pytest.mark.parametrize("causal", [0, 1])
-def test_prefill_paged(h_kv, h_q, d, causal):
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_prefill_paged(h_kv, h_q, d, causal, lanes):
     """New rows against each sequence's prefix; one sequence has none (its rows get zeros and
-    an lse that gives them no weight when merged)."""
+    an lse that gives them no weight when merged). A sequence's query vectors (its rows x the
+    query heads of a KV head) make one tile of ``lanes`` or several, the last one partial, and
+    a task finds its sequence past the tiles of earlier ones."""
     rng = np.random.default_rng(1)
     kv_lens, q_lens = [0, 5, 16, 33], [3, 1, 9, 20]
     pool, (indptr, values, last), kvs = _paged(rng, kv_lens, h_kv, d)
@@ -118,7 +121,7 @@ def test_prefill_paged(h_kv, h_q, d, causal):
         _t(x)
         for x in (q, q_indptr, pool, indptr, values, last, np.zeros(4, np.int32), rope, out, lse)
     ]
-    kernel = _build(attention_prefill_paged(h_kv, h_q, d, "float32"))
+    kernel = _build(attention_prefill_paged(h_kv, h_q, d, "float32", lanes))
     res = _call(kernel, *args, causal, 0, 1.0, 1e4, SM_SCALE)
     ranges = list(zip(q_indptr[:-1], q_indptr[1:], strict=True))
     refs = [
@@ -165,6 +168,6 @@ def test_the_kv_cache_gets_these_kernels():
     model = LlamaForCausalLM(cfg, make_target("llvm"))
     mod, _ = model.export_tvm(spec=model.get_default_spec())
     tvm_kernels = {name: mod[name] for name in KERNELS}
-    swapped = UseCPUAttentionKernels()(mod)
+    swapped = UseCPUAttentionKernels(make_target("llvm"))(mod)
     for name, kernel in tvm_kernels.items():
         assert not swapped[name].same_as(kernel), name
