@@ -30,7 +30,9 @@ query feature vector by that key's feature (broadcast from the page) over half t
 tolerance); keeps the running max, rescale and sum lane by lane, with no horizontal reduction
 or branch; and adds the values 8 output features at a time the same way. Each key and value
 is read once per tile instead of once per row and head, and every multiply-add chain has 7 or
-more independent neighbours. The one-pair-at-a-time form is latency bound:
+more independent neighbours. When no sequence has more than ``lanes / 2`` query vectors (2
+rows of SmolLM2), tiles would be mostly empty lanes and too few tasks for the threads, so each
+(row, head) is a task, as in the decode kernel. The one-pair-at-a-time form is latency bound:
 on a 2-core AVX-512 Xeon it ran at a sixth of the cores' multiply-add rate, and this kernel
 took 0.6-0.8x its time for 5-9 rows of SmolLM2's and Qwen2.5's heads at context 133 (1 row:
 still the decode kernel).
@@ -322,6 +324,7 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
     v_offset = h_kv * PAGE * d  # a page holds all heads' K, then their V
     pass_keys = 8 if lanes == 16 else 4  # keys a scores pass adds up: 2 accumulators each
     half = d // 2
+    attend = _paged_row(h_kv, h_q, d, dtype)
 
     def tiles(qo_len):
         return (qo_len * group + lanes - 1) // lanes
@@ -408,6 +411,45 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
                 for lane in T.vectorized(lanes):
                     ot[(fb * FEATURES + i) * lanes + lane] = acc[i * lanes + lane]
 
+    @T.macro
+    def start_tile(q, row0, first, n_vec, g, limits, scale, qt, ot, lim, top, total):
+        """The tile's queries transposed and scaled (lanes past ``n_vec``: zeros, no keys),
+        each lane's keys, and an empty running softmax."""
+        causal, kv_len, qo_len = limits
+        for lane in range(lanes):
+            lim[lane] = 0
+            for f in range(d):
+                qt[f * lanes + lane] = T.float32(0)
+            if lane < n_vec:
+                row: T.let[T.int32] = (first + lane) // group
+                h: T.let[T.int32] = g * group + (first + lane) % group
+                lim[lane] = _kv_limit(causal, kv_len, qo_len, row)
+                for f in range(d):
+                    qt[f * lanes + lane] = T.cast(q[row0 + row, h, f], "float32") * scale
+        for f in range(d):
+            for lane in T.vectorized(lanes):
+                ot[f * lanes + lane] = T.float32(0)
+        for lane in T.vectorized(lanes):
+            top[lane] = T.float32(_EMPTY)
+            total[lane] = T.float32(0)
+
+    @T.macro
+    def finish_tile(output, lse, row0, first, n_vec, g, ot, top, total, inverse):
+        """Each query vector's output and base-2 log-sum-exp (zeros and ``_EMPTY`` for one
+        that saw no key)."""
+        for lane in range(n_vec):
+            row: T.let[T.int32] = row0 + (first + lane) // group
+            h: T.let[T.int32] = g * group + (first + lane) % group
+            if total[lane] > T.float32(0):
+                inverse[0] = T.float32(1) / total[lane]
+                for f in range(d):
+                    output[row, h, f] = T.cast(ot[f * lanes + lane] * inverse[0], dtype)
+                lse[row, h] = top[lane] + T.log2(total[lane])
+            else:
+                for f in range(d):
+                    output[row, h, f] = T.cast(T.float32(0), dtype)
+                lse[row, h] = T.float32(_EMPTY)
+
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
         var_q: T.handle,  # [total_len, h_q, d]
@@ -440,74 +482,70 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
         output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
         flat = T.decl_buffer((max_num_pages * 2 * h_kv * PAGE * d,), dtype, data=pages.data)
+        io = (q, flat, page_indptr, page_values, output, lse)
         assert rotary_mode == 0, "the CPU attention kernels support RoPE before the cache only"
-        count = T.alloc_buffer((1,), "int32", scope="local")  # tiles per KV head
+        count = T.alloc_buffer((2,), "int32", scope="local")  # tiles per KV head; most rows
         count[0] = 0
+        count[1] = 0
         for s in range(batch):
             count[0] = count[0] + tiles(q_indptr[s + 1] - q_indptr[s])
-        for task in T.parallel(h_kv * count[0]):
-            with T.sblock("attn"):
-                T.reads()  # opaque: the regions depend on lengths read inside
-                T.writes()
-                qt = T.sblock_alloc_buffer((d * lanes,), "float32", scope="local")
-                ot = T.sblock_alloc_buffer((d * lanes,), "float32", scope="local")
-                p = T.sblock_alloc_buffer((PAGE * lanes,), "float32", scope="local")
-                acc = T.sblock_alloc_buffer((2 * pass_keys * lanes,), "float32", scope="local")
-                top = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                total = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                new_top = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                rescale = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                lim = T.sblock_alloc_buffer((lanes,), "int32", scope="local")
-                at = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                g: T.let[T.int32] = task // count[0]
-                locate(q_indptr, batch, task % count[0], at)
-                b: T.let[T.int32] = at[0]
-                first: T.let[T.int32] = at[1] * lanes  # the tile's first query vector
-                row0: T.let[T.int32] = q_indptr[b]
-                qo_len: T.let[T.int32] = q_indptr[b + 1] - row0
-                n_vec: T.let[T.int32] = T.min(qo_len * group - first, lanes)
-                kv_len: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
-                # keys the tile reads: those of its last query vector's row, which sees the most
-                last_row: T.let[T.int32] = (first + n_vec - 1) // group
-                seen: T.let[T.int32] = _kv_limit(causal, kv_len, qo_len, last_row)
-                scale = sm_scale * _LOG2E
-                for lane in range(lanes):  # the tile's queries, transposed and scaled
-                    lim[lane] = 0
-                    for f in range(d):
-                        qt[f * lanes + lane] = T.float32(0)
-                    if lane < n_vec:
-                        row: T.let[T.int32] = (first + lane) // group
-                        h: T.let[T.int32] = g * group + (first + lane) % group
-                        lim[lane] = _kv_limit(causal, kv_len, qo_len, row)
-                        for f in range(d):
-                            qt[f * lanes + lane] = T.cast(q[row0 + row, h, f], "float32") * scale
-                for f in range(d):
-                    for lane in T.vectorized(lanes):
-                        ot[f * lanes + lane] = T.float32(0)
-                for lane in T.vectorized(lanes):
-                    top[lane] = T.float32(_EMPTY)
-                    total[lane] = T.float32(0)
-                for pg in range((seen + PAGE - 1) // PAGE):
-                    page: T.let[T.int32] = page_values[page_indptr[b] + pg]
-                    base: T.let[T.int32] = (page * 2 * h_kv + g) * PAGE * d
-                    for part in T.unroll(PAGE // pass_keys):
-                        key0 = part * pass_keys
-                        scores(qt, flat, base, key0, pg * PAGE + key0, lim, p, acc)
-                    softmax(p, (top, total, new_top, rescale))
-                    keys = T.min(PAGE, seen - pg * PAGE)
-                    values(ot, flat, base + v_offset, keys, p, rescale, acc)
-                for lane in range(n_vec):
-                    row: T.let[T.int32] = row0 + (first + lane) // group
-                    h: T.let[T.int32] = g * group + (first + lane) % group
-                    if total[lane] > T.float32(0):
-                        rescale[0] = T.float32(1) / total[lane]
-                        for f in range(d):
-                            output[row, h, f] = T.cast(ot[f * lanes + lane] * rescale[0], dtype)
-                        lse[row, h] = top[lane] + T.log2(total[lane])
-                    else:
-                        for f in range(d):
-                            output[row, h, f] = T.cast(T.float32(0), dtype)
-                        lse[row, h] = T.float32(_EMPTY)
+            count[1] = T.max(count[1], q_indptr[s + 1] - q_indptr[s])
+        if count[1] * group * 2 <= lanes:  # tiles would be mostly empty: one (row, head) a task
+            for task in T.parallel(h_q * _tiles(total_len)):
+                with T.sblock("attn"):
+                    T.reads()  # opaque: the regions depend on lengths read inside
+                    T.writes()
+                    state = _state(d)
+                    seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    h: T.let[T.int32] = task // _tiles(total_len)
+                    row0: T.let[T.int32] = task % _tiles(total_len) * ROWS_PER_TASK
+                    for row in range(row0, T.min(row0 + ROWS_PER_TASK, total_len)):
+                        _locate(q_indptr, batch, row, seq)
+                        b: T.let[T.int32] = seq[0]
+                        qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                        kv_len: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
+                        limit = _kv_limit(causal, kv_len, qo_len, row - q_indptr[b])
+                        attend(io, row, h, b, limit, sm_scale * _LOG2E, state)
+        else:
+            for task in T.parallel(h_kv * count[0]):
+                with T.sblock("attn"):
+                    T.reads()  # opaque: the regions depend on lengths read inside
+                    T.writes()
+                    qt = T.sblock_alloc_buffer((d * lanes,), "float32", scope="local")
+                    ot = T.sblock_alloc_buffer((d * lanes,), "float32", scope="local")
+                    p = T.sblock_alloc_buffer((PAGE * lanes,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((2 * pass_keys * lanes,), "float32", scope="local")
+                    top = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                    total = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                    new_top = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                    rescale = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                    lim = T.sblock_alloc_buffer((lanes,), "int32", scope="local")
+                    at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                    g: T.let[T.int32] = task // count[0]
+                    locate(q_indptr, batch, task % count[0], at)
+                    b: T.let[T.int32] = at[0]
+                    first: T.let[T.int32] = at[1] * lanes  # the tile's first query vector
+                    row0: T.let[T.int32] = q_indptr[b]
+                    qo_len: T.let[T.int32] = q_indptr[b + 1] - row0
+                    n_vec: T.let[T.int32] = T.min(qo_len * group - first, lanes)
+                    kv_len: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
+                    # keys the tile reads: those of its last query vector's row, which sees the most
+                    last_row: T.let[T.int32] = (first + n_vec - 1) // group
+                    seen: T.let[T.int32] = _kv_limit(causal, kv_len, qo_len, last_row)
+                    limits = (causal, kv_len, qo_len)
+                    start_tile(
+                        q, row0, first, n_vec, g, limits, sm_scale * _LOG2E, qt, ot, lim, top, total
+                    )
+                    for pg in range((seen + PAGE - 1) // PAGE):
+                        page: T.let[T.int32] = page_values[page_indptr[b] + pg]
+                        base: T.let[T.int32] = (page * 2 * h_kv + g) * PAGE * d
+                        for part in T.unroll(PAGE // pass_keys):
+                            key0 = part * pass_keys
+                            scores(qt, flat, base, key0, pg * PAGE + key0, lim, p, acc)
+                        softmax(p, (top, total, new_top, rescale))
+                        keys = T.min(PAGE, seen - pg * PAGE)
+                        values(ot, flat, base + v_offset, keys, p, rescale, acc)
+                    finish_tile(output, lse, row0, first, n_vec, g, ot, top, total, rescale)
 
     return batch_prefill_paged_kv_cpu
 

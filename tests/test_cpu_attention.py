@@ -105,13 +105,16 @@ def test_decode(h_kv, h_q, d):
 @pytest.mark.parametrize("h_kv,h_q,d", SHAPES)
 @pytest.mark.parametrize("causal", [0, 1])
 @pytest.mark.parametrize("lanes", [8, 16])
-def test_prefill_paged(h_kv, h_q, d, causal, lanes):
+@pytest.mark.parametrize("q_lens", [[3, 1, 9, 20], [2, 1, 2, 1]], ids=["tiles", "few-rows"])
+def test_prefill_paged(h_kv, h_q, d, causal, lanes, q_lens):
     """New rows against each sequence's prefix; one sequence has none (its rows get zeros and
     an lse that gives them no weight when merged). A sequence's query vectors (its rows x the
     query heads of a KV head) make one tile of ``lanes`` or several, the last one partial, and
-    a task finds its sequence past the tiles of earlier ones."""
+    a task finds its sequence past the tiles of earlier ones. With at most ``lanes / 2`` per
+    sequence each (row, head) is a task of its own instead: ``few-rows`` for the tiny and the
+    SmolLM2 heads at 16 lanes, for the tiny ones at 8."""
     rng = np.random.default_rng(1)
-    kv_lens, q_lens = [0, 5, 16, 33], [3, 1, 9, 20]
+    kv_lens = [0, 5, 16, 33]
     pool, (indptr, values, last), kvs = _paged(rng, kv_lens, h_kv, d)
     q_indptr = np.cumsum([0, *q_lens]).astype(np.int32)
     q = rng.standard_normal((q_indptr[-1], h_q, d)).astype(np.float32)
