@@ -196,7 +196,10 @@ def _write_artifact(
                 ir_module,
                 target=tvm_target,
                 relax_pipeline=relax_pipeline(
-                    tvm_target, cfg.dtype, rope=(cfg.rope_theta, cfg.rope_scaling)
+                    tvm_target,
+                    cfg.dtype,
+                    rope=(cfg.rope_theta, cfg.rope_scaling),
+                    noalias=activations != "int8",
                 ),
             )
             executable.export_library(str(staging / LIBRARY_FILE), options=link_options)

@@ -209,14 +209,14 @@ def _row_macros(d: int, dtype: str):
 def _state(d: int):
     """The per-row buffers of ``_row_macros``, allocated in the calling block (on the stack)."""
     return (
-        T.sblock_alloc_buffer((d,), "float32", scope="local"),
-        T.sblock_alloc_buffer((d,), "float32", scope="local"),
-        T.sblock_alloc_buffer((PAGE,), "float32", scope="local"),
-        T.sblock_alloc_buffer((LANES,), "float32", scope="local"),
-        T.sblock_alloc_buffer((4,), "float32", scope="local"),
-        T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="local"),
-        T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="local"),
-        T.sblock_alloc_buffer((LANES,), "float32", scope="local"),
+        T.sblock_alloc_buffer((d,), "float32", scope="global"),
+        T.sblock_alloc_buffer((d,), "float32", scope="global"),
+        T.sblock_alloc_buffer((PAGE,), "float32", scope="global"),
+        T.sblock_alloc_buffer((LANES,), "float32", scope="global"),
+        T.sblock_alloc_buffer((4,), "float32", scope="global"),
+        T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="global"),
+        T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="global"),
+        T.sblock_alloc_buffer((LANES,), "float32", scope="global"),
     )
 
 
@@ -345,24 +345,27 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
     def scores(qt, flat, base, key0, position, lim, p, acc):
         """Rows ``key0`` .. ``key0 + pass_keys`` of ``p``: those keys' scores (the keys at
         ``position`` on in the sequence), each the sum of two chains of multiply-adds, over
-        the first and the second half of the features; a key at or past a lane's ``lim`` is
-        masked."""
-        for j in T.unroll(2 * pass_keys):
+        the first and the second half of the features (``acc``: two buffers of
+        ``pass_keys`` vectors, each under TVM's 1 KB stack limit); a key at or past a lane's
+        ``lim`` is masked."""
+        for j in T.unroll(pass_keys):
             for lane in T.vectorized(lanes):
-                acc[j * lanes + lane] = T.float32(0)
+                acc[0][j * lanes + lane] = T.float32(0)
+                acc[1][j * lanes + lane] = T.float32(0)
         for f in range(half):
-            for j in T.unroll(2 * pass_keys):  # key j % pass_keys, features of half j // pass_keys
-                feature = j // pass_keys * half + f
-                key = flat[base + (key0 + j % pass_keys) * d + feature]
+            for j in T.unroll(pass_keys):
                 for lane in T.vectorized(lanes):
-                    acc[j * lanes + lane] = acc[j * lanes + lane] + qt[
-                        feature * lanes + lane
-                    ] * T.cast(key, "float32")
+                    acc[0][j * lanes + lane] = acc[0][j * lanes + lane] + qt[
+                        f * lanes + lane
+                    ] * T.cast(flat[base + (key0 + j) * d + f], "float32")
+                    acc[1][j * lanes + lane] = acc[1][j * lanes + lane] + qt[
+                        (half + f) * lanes + lane
+                    ] * T.cast(flat[base + (key0 + j) * d + half + f], "float32")
         for j in T.unroll(pass_keys):
             for lane in T.vectorized(lanes):
                 p[(key0 + j) * lanes + lane] = T.Select(
                     position + j < lim[lane],
-                    acc[j * lanes + lane] + acc[(pass_keys + j) * lanes + lane],
+                    acc[0][j * lanes + lane] + acc[1][j * lanes + lane],
                     T.float32(_MASKED),
                 )
 
@@ -484,7 +487,7 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
         flat = T.decl_buffer((max_num_pages * 2 * h_kv * PAGE * d,), dtype, data=pages.data)
         io = (q, flat, page_indptr, page_values, output, lse)
         assert rotary_mode == 0, "the CPU attention kernels support RoPE before the cache only"
-        count = T.alloc_buffer((2,), "int32", scope="local")  # tiles per KV head; most rows
+        count = T.alloc_buffer((2,), "int32", scope="global")  # tiles per KV head; most rows
         count[0] = 0
         count[1] = 0
         for s in range(batch):
@@ -496,7 +499,7 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
                     T.reads()  # opaque: the regions depend on lengths read inside
                     T.writes()
                     state = _state(d)
-                    seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
                     h: T.let[T.int32] = task // _tiles(total_len)
                     row0: T.let[T.int32] = task % _tiles(total_len) * ROWS_PER_TASK
                     for row in range(row0, T.min(row0 + ROWS_PER_TASK, total_len)):
@@ -513,14 +516,19 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
                     T.writes()
                     qt = T.sblock_alloc_buffer((d * lanes,), "float32", scope="local")
                     ot = T.sblock_alloc_buffer((d * lanes,), "float32", scope="local")
-                    p = T.sblock_alloc_buffer((PAGE * lanes,), "float32", scope="local")
-                    acc = T.sblock_alloc_buffer((2 * pass_keys * lanes,), "float32", scope="local")
-                    top = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                    total = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                    new_top = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                    rescale = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
-                    lim = T.sblock_alloc_buffer((lanes,), "int32", scope="local")
-                    at = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                    p = T.sblock_alloc_buffer((PAGE * lanes,), "float32", scope="global")
+                    # "global": under 1 KB, so on the stack and in registers (``scores``)
+                    acc = (
+                        T.sblock_alloc_buffer((pass_keys * lanes,), "float32", scope="global"),
+                        T.sblock_alloc_buffer((pass_keys * lanes,), "float32", scope="global"),
+                    )
+                    sums = T.sblock_alloc_buffer((FEATURES * lanes,), "float32", scope="global")
+                    top = T.sblock_alloc_buffer((lanes,), "float32", scope="global")
+                    total = T.sblock_alloc_buffer((lanes,), "float32", scope="global")
+                    new_top = T.sblock_alloc_buffer((lanes,), "float32", scope="global")
+                    rescale = T.sblock_alloc_buffer((lanes,), "float32", scope="global")
+                    lim = T.sblock_alloc_buffer((lanes,), "int32", scope="global")
+                    at = T.sblock_alloc_buffer((2,), "int32", scope="global")
                     g: T.let[T.int32] = task // count[0]
                     locate(q_indptr, batch, task % count[0], at)
                     b: T.let[T.int32] = at[0]
@@ -544,7 +552,7 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
                             scores(qt, flat, base, key0, pg * PAGE + key0, lim, p, acc)
                         softmax(p, (top, total, new_top, rescale))
                         keys = T.min(PAGE, seen - pg * PAGE)
-                        values(ot, flat, base + v_offset, keys, p, rescale, acc)
+                        values(ot, flat, base + v_offset, keys, p, rescale, sums)
                     finish_tile(output, lse, row0, first, n_vec, g, ot, top, total, rescale)
 
     return batch_prefill_paged_kv_cpu
@@ -592,7 +600,7 @@ def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pr
                 T.reads()  # opaque: the regions depend on lengths read inside
                 T.writes()
                 state = _state(d)
-                seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
                 h: T.let[T.int32] = task // _tiles(qo_len)
                 row0: T.let[T.int32] = task % _tiles(qo_len) * ROWS_PER_TASK
                 for row in range(row0, T.min(row0 + ROWS_PER_TASK, qo_len)):

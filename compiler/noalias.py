@@ -1,14 +1,17 @@
-"""Mark every PrimFunc of the module ``tirx.noalias``, so that LLVM keeps per-buffer alias info.
+"""Give every PrimFunc of the module the same ``tirx.noalias`` setting, chosen per artifact.
 
 TVM 0.27's LLVM codegen declares a module's functions in name order and generates the bodies
 of all of them with the noalias setting of the last one declared (``is_restricted_`` in
-``CodeGenLLVM::DeclareFunctionInternal``). One function without the attribute, and every
-kernel treats all its buffers as possibly overlapping: accumulators are stored back to memory
-after each multiply-add instead of staying in registers (2-3x slower prefill matmuls, 1.5-2x
-slower attention). The functions without it are the VM's shape functions and symbolic-shape
-helpers, and the KV cache's tree-attention, sliding-window, merge and page-copy kernels.
-Safe: each gets a distinct tensor per buffer parameter (the VM its shape heap; the KV cache
-its pages, index arrays, and output buffers).
+``CodeGenLLVM::DeclareFunctionInternal``), so one function decides for all: the VM's shape
+functions and TVM's own KV-cache kernels (tree attention, sliding window, merge, page copy)
+come without the attribute. Without it, LLVM treats all of a kernel's buffers as possibly
+overlapping, and the scheduled float matmuls store their accumulators back to memory after
+each multiply-add: a float SmolLM2 artifact prefilled 2.0x and verified 8 tokens 2.3x slower
+(``bench_ab.py``, 2026-11-24). With it, LLVM keeps the int8 matmul's activation broadcasts of
+one group live across its sweep's vectors and spills them: 8 rows took 1.2-1.3x as long. So
+float artifacts are built with it and int8-activation ones without, everywhere alike. Safe:
+every function gets a distinct tensor per buffer parameter (the VM its shape heap; the KV
+cache its pages, index arrays and outputs).
 """
 
 from __future__ import annotations
@@ -17,10 +20,16 @@ import tvm
 from tvm import tirx
 
 
-@tvm.transform.module_pass(opt_level=0, name="MarkNoAlias")
-class MarkNoAlias:
+@tvm.transform.module_pass(opt_level=0, name="SetNoAlias")
+class SetNoAlias:
+    def __init__(self, noalias: bool):
+        self.noalias = noalias
+
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gv, func in list(mod.functions_items()):
-            if isinstance(func, tirx.PrimFunc) and not func.attrs.get("tirx.noalias", False):
-                mod[gv] = func.with_attr("tirx.noalias", True)
+            if isinstance(func, tirx.PrimFunc):
+                if self.noalias:
+                    mod[gv] = func.with_attr("tirx.noalias", True)
+                elif "tirx.noalias" in func.attrs:
+                    mod[gv] = func.without_attr("tirx.noalias")
         return mod

@@ -16,7 +16,7 @@ from .cpu_rope import UseCPURopeKernel
 from .cpu_rule import SerialWhenSmall
 from .cpu_silu import CPU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
-from .noalias import MarkNoAlias
+from .noalias import SetNoAlias
 
 
 class _Guarded(ScheduleRule):
@@ -58,14 +58,16 @@ def _schedule_rules(target: Target) -> list[ScheduleRule]:
 
 
 def relax_pipeline(
-    target: Target, dtype: str, rope: tuple[float, dict | None] | None = None
+    target: Target, dtype: str, rope: tuple[float, dict | None] | None = None, noalias: bool = True
 ) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
     the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``) and, given the
     model's ``rope`` (theta, scaling), a RoPE kernel that computes each angle once
-    (``cpu_rope``); the sampler's argmax and SiLU are vectorised (``cpu_argmax``, ``cpu_silu``)."""
+    (``cpu_rope``); the sampler's argmax and SiLU are vectorised (``cpu_argmax``, ``cpu_silu``);
+    and every CPU kernel is compiled ``noalias``, or with ``noalias=False`` (the int8-activation
+    path) none is (``noalias.py``)."""
     is_gpu = target.kind.name != "llvm"
     cpu_kernels = [
         UseCPUAttentionKernels(target),
@@ -95,7 +97,7 @@ def relax_pipeline(
         rx.transform.LowerRuntimeBuiltin(),
         rx.transform.ComputePrimValue(),
         rx.transform.VMShapeLower(),
-        MarkNoAlias(),
+        *([] if is_gpu else [SetNoAlias(noalias)]),
         rx.transform.AttachGlobalSymbol(),
     ]
 
