@@ -34,8 +34,8 @@ more independent neighbours. When no sequence has more than ``lanes / 2`` query 
 rows of SmolLM2), tiles would be mostly empty lanes and too few tasks for the threads, so each
 (row, head) is a task, as in the decode kernel. The one-pair-at-a-time form is latency bound:
 on a 2-core AVX-512 Xeon it ran at a sixth of the cores' multiply-add rate, and this kernel
-took 0.6-0.8x its time for 5-9 rows of SmolLM2's and Qwen2.5's heads at context 133 (1 row:
-still the decode kernel).
+took 0.57-0.84x its time for 4-9 rows of SmolLM2's and Qwen2.5's heads at context 133
+(``scripts/bench_attention.py``; 1 row: still the decode kernel).
 
 Scores are kept in base 2 (scaled by log2 e) with TVM's conventions for the log-sum-exp
 output, so TVM's merge kernel combines a prefix's and a chunk's attention. Only the KV cache's
