@@ -6,7 +6,7 @@ of all of them with the noalias setting of the last one declared (``is_restricte
 functions and TVM's own KV-cache kernels (tree attention, sliding window, merge, page copy)
 come without the attribute. Without it, LLVM treats all of a kernel's buffers as possibly
 overlapping, and the scheduled float matmuls store their accumulators back to memory after
-each multiply-add: a float SmolLM2 artifact prefilled 2.0x and verified 8 tokens 2.3x slower
+each multiply-add: a float SmolLM2 artifact prefilled 2.1x and verified 8 tokens 2.4x slower
 (``bench_ab.py``, 2026-11-24). With it, LLVM keeps the int8 matmul's activation broadcasts of
 one group live across its sweep's vectors and spills them: 8 rows took 1.2-1.3x as long. So
 float artifacts are built with it and int8-activation ones without, everywhere alike. Safe:
