@@ -267,6 +267,23 @@ def _locate(q_indptr, batch, row, seq):
             seq[0] = s + 1
 
 
+@T.macro
+def _by_rows(q_indptr, batch, rows, h_q, d, attend_row, ins):
+    """One task per (query head, block of ``ROWS_PER_TASK`` rows) of ``rows``:
+    ``attend_row(ins, row, h, sequence, q_indptr, state)`` for each of its rows."""
+    for task in T.parallel(h_q * _tiles(rows)):
+        with T.sblock("attn"):
+            T.reads()  # opaque: the regions depend on lengths read inside
+            T.writes()
+            state = _state(d)
+            seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
+            h: T.let[T.int32] = task // _tiles(rows)
+            row0: T.let[T.int32] = task % _tiles(rows) * ROWS_PER_TASK
+            for row in range(row0, T.min(row0 + ROWS_PER_TASK, rows)):
+                _locate(q_indptr, batch, row, seq)
+                attend_row(ins, row, h, seq[0], q_indptr, state)
+
+
 def attention_decode(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
     """One new token per sequence against its pages (it was appended before attention)."""
     attend = _paged_row(h_kv, h_q, d, dtype)
@@ -325,6 +342,14 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
     pass_keys = 8 if lanes == 16 else 4  # keys a scores pass adds up: 2 accumulators each
     half = d // 2
     attend = _paged_row(h_kv, h_q, d, dtype)
+
+    @T.macro
+    def paged_row(ins, row, h, b, q_indptr, state):
+        """One (row, head) against its sequence's prefix, for ``_by_rows``."""
+        io, page_indptr, length_info, causal, scale = ins
+        qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+        kv_len: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
+        attend(io, row, h, b, _kv_limit(causal, kv_len, qo_len, row - q_indptr[b]), scale, state)
 
     def tiles(qo_len):
         return (qo_len * group + lanes - 1) // lanes
@@ -494,21 +519,8 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
             count[0] = count[0] + tiles(q_indptr[s + 1] - q_indptr[s])
             count[1] = T.max(count[1], q_indptr[s + 1] - q_indptr[s])
         if count[1] * group * 2 <= lanes:  # tiles would be mostly empty: one (row, head) a task
-            for task in T.parallel(h_q * _tiles(total_len)):
-                with T.sblock("attn"):
-                    T.reads()  # opaque: the regions depend on lengths read inside
-                    T.writes()
-                    state = _state(d)
-                    seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
-                    h: T.let[T.int32] = task // _tiles(total_len)
-                    row0: T.let[T.int32] = task % _tiles(total_len) * ROWS_PER_TASK
-                    for row in range(row0, T.min(row0 + ROWS_PER_TASK, total_len)):
-                        _locate(q_indptr, batch, row, seq)
-                        b: T.let[T.int32] = seq[0]
-                        qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                        kv_len: T.let[T.int32] = _paged_kv_len(page_indptr, length_info, b)
-                        limit = _kv_limit(causal, kv_len, qo_len, row - q_indptr[b])
-                        attend(io, row, h, b, limit, sm_scale * _LOG2E, state)
+            ins = (io, page_indptr, length_info, causal, sm_scale * _LOG2E)
+            _by_rows(q_indptr, batch, total_len, h_q, d, paged_row, ins)
         else:
             for task in T.parallel(h_kv * count[0]):
                 with T.sblock("attn"):
@@ -563,6 +575,23 @@ def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pr
     start, chunk, whole_chunk, finish = _row_macros(d, dtype)
     group = h_q // h_kv
 
+    @T.macro
+    def ragged_row(ins, row, h, b, q_indptr, state):
+        """One (row, head) against its sequence's new keys, for ``_by_rows``."""
+        q, k_flat, v_flat, kv_indptr, output, lse, causal, scale = ins
+        first: T.let[T.int32] = kv_indptr[b]
+        qo_b: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+        limit = _kv_limit(causal, kv_indptr[b + 1] - first, qo_b, row - q_indptr[b])
+        start(q, row, h, scale, state)
+        for p in range((limit + PAGE - 1) // PAGE):
+            base = ((first + p * PAGE) * h_kv + h // group) * d
+            n = T.min(PAGE, limit - p * PAGE)
+            if n == PAGE:
+                whole_chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+            else:
+                chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+        finish(output, lse, row, h, state)
+
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv_cpu(
         var_q: T.handle,  # [qo_len, h_q, d]
@@ -595,29 +624,8 @@ def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pr
         k_flat = T.decl_buffer((kv_len * h_kv * d,), dtype, data=k.data)
         v_flat = T.decl_buffer((kv_len * h_kv * d,), dtype, data=v.data)
         assert rotary_mode == 0, "the CPU attention kernels support RoPE before the cache only"
-        for task in T.parallel(h_q * _tiles(qo_len)):
-            with T.sblock("attn"):
-                T.reads()  # opaque: the regions depend on lengths read inside
-                T.writes()
-                state = _state(d)
-                seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
-                h: T.let[T.int32] = task // _tiles(qo_len)
-                row0: T.let[T.int32] = task % _tiles(qo_len) * ROWS_PER_TASK
-                for row in range(row0, T.min(row0 + ROWS_PER_TASK, qo_len)):
-                    _locate(q_indptr, batch, row, seq)
-                    b: T.let[T.int32] = seq[0]
-                    first: T.let[T.int32] = kv_indptr[b]
-                    qo_b: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                    limit = _kv_limit(causal, kv_indptr[b + 1] - first, qo_b, row - q_indptr[b])
-                    start(q, row, h, sm_scale * _LOG2E, state)
-                    for p in range((limit + PAGE - 1) // PAGE):
-                        base = ((first + p * PAGE) * h_kv + h // group) * d
-                        n = T.min(PAGE, limit - p * PAGE)
-                        if n == PAGE:
-                            whole_chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
-                        else:
-                            chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
-                    finish(output, lse, row, h, state)
+        ins = (q, k_flat, v_flat, kv_indptr, output, lse, causal, sm_scale * _LOG2E)
+        _by_rows(q_indptr, batch, qo_len, h_q, d, ragged_row, ins)
 
     return batch_prefill_ragged_kv_cpu
 
