@@ -38,7 +38,7 @@ stay whole (a pair sum is at most 2 x 63 x 127), with fewer pair sums added in i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
@@ -56,7 +56,9 @@ from tvm.target import Target
 from mlc_spec.models.quantized import SUPER_TYPE, GroupFormat, QuantizedWeight, panel_width
 from mlc_spec.runtime.artifact import ACTIVATIONS
 
+from .cpu_rule import SERIAL_BELOW_ELEMENTS
 from .errors import CompileError
+from .vector_reduce import horizontal, tree
 
 _NIBBLES = 0x0F0F0F0F
 _LOW_BITS = 0x01010101
@@ -152,7 +154,7 @@ class IntegerDot:
         for weight in sorted({w for _, _, w in parts}):
             sums = [self._pair_sums(c, x) for c, x, w in parts if w == weight]
             for i in range(0, len(sums), n):
-                acc = acc + self._madd(_tree(lambda a, b: a + b, sums[i : i + n]), weight)
+                acc = acc + self._madd(tree(lambda a, b: a + b, sums[i : i + n]), weight)
         return acc
 
     def _bytes(self, codes, x) -> tuple:
@@ -299,25 +301,6 @@ def _slot(j: int, interleave: bool) -> int:
     return 8 * block + (i // 2 if i % 2 == 0 else 4 + i // 2)
 
 
-def _tree(combine: Callable, values: list):
-    """A balanced reduction tree: short dependency chains."""
-    while len(values) > 1:
-        pairs = [combine(a, b) for a, b in zip(values[0::2], values[1::2], strict=False)]
-        values = pairs + ([values[-1]] if len(values) % 2 else [])
-    return values[0]
-
-
-def _horizontal(combine: Callable, vector, lanes: int):
-    """The lanes of ``vector`` combined into a scalar, halving the vector each step."""
-    while lanes > 1:
-        lanes //= 2
-        vector = T.Bind(vector)
-        low = tirx.Shuffle([vector], list(range(lanes)))
-        high = tirx.Shuffle([vector], list(range(lanes, 2 * lanes)))
-        vector = combine(low, high)
-    return vector
-
-
 def _sums_dtype(zero: int) -> str:
     """The type of ``quantize_func``'s code sums for a weight format with this ``zero``."""
     return "int32" if zero else "float32"
@@ -340,21 +323,32 @@ def quantize_func(k: int, group: int, interleave: bool, zero: int) -> tirx.PrimF
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
         xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(zero))
-        with T.sblock("root"), T.serial(0, m) as r, T.serial(0, groups) as g:
-            v = T.Bind(x.vload([r, g * group], f"float32x{group}"))
-            amax = T.Bind(_horizontal(T.max, T.abs(v), group))
-            inv = T.Bind(T.Select(amax > T.float32(0), T.float32(_INT8_MAX) / amax, T.float32(0)))
-            codes = T.Bind(T.Cast(f"int32x{group}", T.nearbyint(v * tirx.Broadcast(inv, group))))
-            order = sorted(range(group), key=lambda j: _slot(j, interleave))
-            stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
-            T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
-            scale = T.Bind(amax / T.float32(_INT8_MAX))
-            T.buffer_store(xs, scale, [r, g])
-            total = T.Bind(_horizontal(lambda a, b: a + b, codes, group))
-            if zero:
-                T.buffer_store(xsum, total * T.int32(-zero), [r, g])
-            else:
-                T.buffer_store(xsum, T.Cast("float32", total) * scale, [r, g])
+
+        def quantize_row(r) -> None:
+            with T.serial(0, groups) as g:
+                v = T.Bind(x.vload([r, g * group], f"float32x{group}"))
+                amax = T.Bind(horizontal(T.max, T.abs(v), group))
+                zero_f = T.float32(0)
+                inv = T.Bind(T.Select(amax > zero_f, T.float32(_INT8_MAX) / amax, zero_f))
+                rounded = T.nearbyint(v * tirx.Broadcast(inv, group))
+                codes = T.Bind(T.Cast(f"int32x{group}", rounded))
+                order = sorted(range(group), key=lambda j: _slot(j, interleave))
+                stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
+                T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
+                scale = T.Bind(amax / T.float32(_INT8_MAX))
+                T.buffer_store(xs, scale, [r, g])
+                total = T.Bind(horizontal(lambda a, b: a + b, codes, group))
+                if zero:
+                    T.buffer_store(xsum, total * T.int32(-zero), [r, g])
+                else:
+                    T.buffer_store(xsum, T.Cast("float32", total) * scale, [r, g])
+
+        # Rows on the pool from SERIAL_BELOW_ELEMENTS on (prefill), each row alike either way.
+        with T.sblock("root"), T.If(m * k < SERIAL_BELOW_ELEMENTS):
+            with T.Then(), T.serial(0, m) as r:
+                quantize_row(r)
+            with T.Else(), T.parallel(0, m) as r:
+                quantize_row(r)
     return ib.get()
 
 

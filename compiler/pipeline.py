@@ -12,9 +12,10 @@ from .cpu_argmax import UseCPUArgmaxKernel
 from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmul
+from .cpu_rms_norm import LEGALIZE as RMS_NORM_LEGALIZE
 from .cpu_rope import UseCPURopeKernel
 from .cpu_rule import SerialWhenSmall
-from .cpu_silu import CPU_LEGALIZE
+from .cpu_silu import LEGALIZE as SILU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
 from .noalias import SetNoAlias
 
@@ -65,9 +66,9 @@ def relax_pipeline(
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
     the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``) and, given the
     model's ``rope`` (theta, scaling), a RoPE kernel that computes each angle once
-    (``cpu_rope``); the sampler's argmax and SiLU are vectorised (``cpu_argmax``, ``cpu_silu``);
-    and every CPU kernel is compiled ``noalias``, or with ``noalias=False`` (the int8-activation
-    path) none is (``noalias.py``)."""
+    (``cpu_rope``); the sampler's argmax, SiLU and the RMS norms are vectorised (``cpu_argmax``,
+    ``cpu_silu``, ``cpu_rms_norm``); and every CPU kernel is compiled ``noalias``, or with
+    ``noalias=False`` (the int8-activation path) none is (``noalias.py``)."""
     is_gpu = target.kind.name != "llvm"
     cpu_kernels = [
         UseCPUAttentionKernels(target),
@@ -78,7 +79,7 @@ def relax_pipeline(
         *([] if is_gpu else cpu_kernels),
         rx.transform.FuseTransposeMatmul(),
         rx.backend.DispatchSortScan(),
-        rx.transform.LegalizeOps(None if is_gpu else CPU_LEGALIZE),
+        rx.transform.LegalizeOps(None if is_gpu else {**SILU_LEGALIZE, **RMS_NORM_LEGALIZE}),
         rx.transform.AnnotateTIROpPattern(),
         rx.transform.FoldConstant(),
         rx.transform.FuseOps(),
