@@ -5,9 +5,10 @@ rotates q and k, computing ``pow``, ``cos`` and ``sin`` through libm for every e
 head, though the heads of a position share its angles: 1.5 ms of a SmolLM2 layer's 128-token
 prefill (1 thread), more than the vectorised attention kernels (``cpu_attention``). This
 kernel evaluates TVM's own angle expressions (``switch_rope_freq_func``) once per position and
-feature into a table, then rotates all heads with vector arithmetic, so the angles are TVM's
-own (the test compares the two kernels). Short inputs (decode, verify) run on the calling thread:
-a thread-pool launch costs more than the work.
+distinct angle into a table (features i and i + d/2 share one where TVM's simplifier proves it),
+then rotates all heads with vector arithmetic, so the angles are TVM's own (the test compares
+the two kernels). Short inputs (decode, verify) run on the calling thread: a thread-pool launch
+costs more than the work.
 
 ``UseCPURopeKernel`` swaps it in only where TVM's kernel for the same parameters is structurally
 equal to the module's ``fused_rope`` (default rotate-half layout over the whole head), so a
@@ -27,10 +28,35 @@ from tvm.relax.frontend.nn.llm.position_embedding import (
     switch_rope_freq_func,
 )
 from tvm.script import tirx as T
+from tvm.sym.analyzer import Analyzer
 
 NAME = "fused_rope"  # TVM's RoPE kernel in an exported module
 SERIAL_BELOW = 8  # positions under which the kernel runs on the calling thread
 _LANES = 16
+
+
+def _half_periodic(freq, d: int, theta: float) -> bool:
+    """Whether the angles of features i and i + d/2 are the same expressions (rotate-half RoPE:
+    TVM's frequencies depend on i through ``i * 2 % d``), proved by TVM's simplifier."""
+    i, pos = tirx.Var("i", "int32"), tirx.Var("pos", "float32")
+    analyzer = Analyzer()
+    analyzer.bind(i, tvm.ir.Range(0, d // 2))
+    return all(
+        tvm_ffi.structural_equal(
+            analyzer.simplify(_angle(freq, pos, i, d, theta, trig)),
+            analyzer.simplify(_angle(freq, pos, i + d // 2, d, theta, trig)),
+        )
+        for trig in ("cos", "sin")
+    )
+
+
+def _angle(freq, pos, i, d: int, theta: float, trig: str):
+    """TVM's cos or sin of feature i's angle at position ``pos``."""
+    cos, sin, lets = freq(pos, i, d, theta, "float32")
+    expr = cos if trig == "cos" else sin
+    for var, value in lets.items():
+        expr = tirx.Let(var, value, expr)
+    return expr
 
 
 def _rope_row(theta: float, rope_scaling: dict[str, Any], h_q: int, h_kv: int, d: int, dtype):
@@ -38,22 +64,22 @@ def _rope_row(theta: float, rope_scaling: dict[str, Any], h_q: int, h_kv: int, d
     half = d // 2
     lanes = next(n for n in (_LANES, 8, 4, 2, 1) if half % n == 0)
     freq = switch_rope_freq_func(rope_scaling)
+    # Features i and i + half share their angle where TVM's expressions say so: half the pow,
+    # cos and sin calls. (Unrolled, LLVM would fold the pows of constants, rounded unlike libm's
+    # powf: 1e-4 apart from TVM's kernel at position 3000 with llama3 scaling.)
+    angles = half if _half_periodic(freq, d, theta) else d
 
     def angle(pos, i, trig):
-        cos, sin, lets = freq(T.cast(pos, "float32"), i, d, theta, "float32")
-        expr = cos if trig == "cos" else sin
-        for var, value in lets.items():
-            expr = tirx.Let(var, value, expr)
-        return expr
+        return _angle(freq, T.cast(pos, "float32"), i, d, theta, trig)
 
     @T.macro
     def rope_row(qkv, position_map, q, k, v, apply_rope, s):
         with T.sblock("rope_row"):
             T.reads()
             T.writes()
-            cos = T.sblock_alloc_buffer((d,), "float32", scope="local")
-            sin = T.sblock_alloc_buffer((d,), "float32", scope="local")
-            for i in range(d):  # apply_rope == 0: the identity rotation
+            cos = T.sblock_alloc_buffer((angles,), "float32", scope="global")  # on the stack
+            sin = T.sblock_alloc_buffer((angles,), "float32", scope="global")
+            for i in range(angles):  # apply_rope == 0: the identity rotation
                 cos[i] = T.if_then_else(apply_rope > 0, angle(position_map[s], i, "cos"), 1.0)
                 sin[i] = T.if_then_else(apply_rope > 0, angle(position_map[s], i, "sin"), 0.0)
             for h in range(h_q + h_kv):
@@ -65,13 +91,15 @@ def _rope_row(theta: float, rope_scaling: dict[str, Any], h_q: int, h_kv: int, d
                         if h < h_q:
                             q[s, h, i] = T.cast(cos[i] * x0 - sin[i] * x1, dtype)
                             q[s, h, i + half] = T.cast(
-                                cos[i + half] * x1 + sin[i + half] * x0, dtype
-                            )  # noqa: E501
+                                cos[(i + half) % angles] * x1 + sin[(i + half) % angles] * x0,
+                                dtype,
+                            )
                         else:
                             k[s, h - h_q, i] = T.cast(cos[i] * x0 - sin[i] * x1, dtype)
                             k[s, h - h_q, i + half] = T.cast(
-                                cos[i + half] * x1 + sin[i + half] * x0, dtype
-                            )  # noqa: E501
+                                cos[(i + half) % angles] * x1 + sin[(i + half) % angles] * x0,
+                                dtype,
+                            )
             for h in range(h_kv):
                 for i in T.vectorized(d):
                     v[s, h, i] = qkv[s, h_q + h_kv + h, i]

@@ -9,9 +9,18 @@ import pytest
 import tvm
 import tvm.runtime
 from tiny_models import tiny_config
-from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
+from tvm.relax.frontend.nn.llm.position_embedding import (
+    llama_rope_with_position_map,
+    switch_rope_freq_func,
+)
 
-from mlc_spec.compiler.cpu_rope import NAME, SERIAL_BELOW, UseCPURopeKernel, rope_split
+from mlc_spec.compiler.cpu_rope import (
+    NAME,
+    SERIAL_BELOW,
+    UseCPURopeKernel,
+    _half_periodic,
+    rope_split,
+)
 from mlc_spec.compiler.targets import make_target
 from mlc_spec.models import LlamaForCausalLM, ModelConfig
 
@@ -67,3 +76,13 @@ def test_the_kv_cache_gets_this_kernel(scaling):
     tvm_kernel = mod[NAME]
     swapped = UseCPURopeKernel(cfg.rope_theta, cfg.rope_scaling)(mod)
     assert not swapped[NAME].same_as(tvm_kernel)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "shared"), [({}, True), (LLAMA3, True), ({"rope_type": "gptj"}, False)]
+)
+def test_features_i_and_i_plus_half_share_an_angle_only_where_proved(scaling, shared):
+    """Rotate-half RoPE computes half the angles; GPT-J's interleaved pairs have no such
+    period, and the simplifier must not claim one."""
+    freq = switch_rope_freq_func(scaling)
+    assert _half_periodic(freq, 64, 10000.0) is shared
