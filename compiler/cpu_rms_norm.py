@@ -23,14 +23,14 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder.tirx import prim_func as build_prim_func
 
 from .cpu_attention import float_lanes
-from .cpu_rule import SERIAL_BELOW_ELEMENTS
+from .cpu_rule import for_each_row
 from .vector_reduce import horizontal, tree
 
 CHAINS = 4  # independent accumulators: an add's latency over its throughput
 
 
 def rms_norm_func(rank: int, n: int, eps: float, dtype: str, lanes: int) -> tirx.PrimFunc:
-    """out = rms_norm(x) * weight over the last axis of x [..., n] (``rank`` axes), for n a
+    """out = rms_norm(x) * weight over the last axis of x [..., n] (``rank`` >= 2 axes), for n a
     multiple of ``lanes``."""
     chunks = n // lanes
     f32 = f"float32x{lanes}"
@@ -40,7 +40,7 @@ def rms_norm_func(rank: int, n: int, eps: float, dtype: str, lanes: int) -> tirx
         x = T.match_buffer(T.arg("x", T.handle()), (*dims, n), dtype)
         weight = T.match_buffer(T.arg("weight", T.handle()), (n,), dtype)
         out = T.match_buffer(T.arg("out", T.handle()), (*dims, n), dtype)
-        rows = math.prod(dims) if dims else 1
+        rows = math.prod(dims)
 
         def load(buffer, index: list):
             vector = buffer.vload(index, f"{dtype}x{lanes}")
@@ -77,22 +77,19 @@ def rms_norm_func(rank: int, n: int, eps: float, dtype: str, lanes: int) -> tirx
                 value = value if dtype == "float32" else T.Cast(f"{dtype}x{lanes}", value)
                 T.buffer_store(out, value, [*index, T.ramp(c * lanes, 1, lanes)])
 
-        with T.sblock("root"), T.If(rows * n < SERIAL_BELOW_ELEMENTS):
-            with T.Then(), T.serial(0, rows) as r:
-                norm_row(r)
-            with T.Else(), T.parallel(0, rows) as r:
-                norm_row(r)
+        for_each_row(rows, rows * n, norm_row)
     return ib.get()
 
 
 def _legalize_rms_norm(bb: rx.BlockBuilder, call: rx.Call) -> rx.Expr:
-    """This file's kernel for a norm over the last axis whose width is a multiple of the CPU's
-    float lanes; TVM's legalization for any other."""
+    """This file's kernel for a norm over the last axis of rows (2 or more axes) whose width is a
+    multiple of the CPU's float lanes; TVM's legalization for any other."""
     x, weight = call.args
-    shape, rank = x.ty.shape, x.ty.ndim
+    rank, shape = x.ty.ndim, x.ty.shape  # ndim -1: unknown
     lanes = float_lanes(tvm.target.Target.current())
-    axes = [int(a) % rank for a in call.attrs.axes] if rank > 0 else []
-    n = shape[-1] if shape is not None and rank > 0 else None
+    rows = rank >= 2 and shape is not None
+    axes = [int(a) % rank for a in call.attrs.axes] if rows else None
+    n = shape[-1] if rows else None
     if axes != [rank - 1] or not isinstance(n, tirx.IntImm) or int(n) % lanes:
         return _nn_rms_norm(bb, call)
     dtype = str(x.ty.dtype)

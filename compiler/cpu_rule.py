@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.script import tirx as T
 from tvm.target import Target
 
 
@@ -35,6 +36,18 @@ def find_block(sch: s_tir.Schedule, name: str):
 # Output elements below which a kernel runs on the calling thread: a thread-pool launch and
 # barrier costs microseconds (a scheduler time slice when the machine is busy), the work less.
 SERIAL_BELOW_ELEMENTS = 8192
+
+
+def for_each_row(rows, elements, body) -> None:
+    """For kernels written with TVM's IR builder: ``body(r)`` for each of ``rows`` rows in a
+    root block, on the calling thread below ``SERIAL_BELOW_ELEMENTS`` output ``elements`` and on
+    the thread pool from there, the same per-row code either way (as ``serial_when_small`` does
+    for scheduled kernels)."""
+    with T.sblock("root"), T.If(elements < SERIAL_BELOW_ELEMENTS):
+        with T.Then(), T.serial(0, rows) as r:
+            body(r)
+        with T.Else(), T.parallel(0, rows) as r:
+            body(r)
 
 
 def serial_when_small(sch: s_tir.Schedule) -> s_tir.Schedule:

@@ -56,7 +56,7 @@ from tvm.target import Target
 from mlc_spec.models.quantized import SUPER_TYPE, GroupFormat, QuantizedWeight, panel_width
 from mlc_spec.runtime.artifact import ACTIVATIONS
 
-from .cpu_rule import SERIAL_BELOW_ELEMENTS
+from .cpu_rule import for_each_row
 from .errors import CompileError
 from .vector_reduce import horizontal, tree
 
@@ -343,12 +343,7 @@ def quantize_func(k: int, group: int, interleave: bool, zero: int) -> tirx.PrimF
                 else:
                     T.buffer_store(xsum, T.Cast("float32", total) * scale, [r, g])
 
-        # Rows on the pool from SERIAL_BELOW_ELEMENTS on (prefill), each row alike either way.
-        with T.sblock("root"), T.If(m * k < SERIAL_BELOW_ELEMENTS):
-            with T.Then(), T.serial(0, m) as r:
-                quantize_row(r)
-            with T.Else(), T.parallel(0, m) as r:
-                quantize_row(r)
+        for_each_row(m, m * k, quantize_row)  # prefill's rows on the thread pool
     return ib.get()
 
 
