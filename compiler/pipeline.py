@@ -11,6 +11,7 @@ from tvm.target import Target
 from .cpu_argmax import UseCPUArgmaxKernel
 from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
+from .cpu_kv_append import UseCPUAppendKernel
 from .cpu_matmul import CPUMatmul
 from .cpu_rms_norm import LEGALIZE as RMS_NORM_LEGALIZE
 from .cpu_rope import UseCPURopeKernel
@@ -64,14 +65,15 @@ def relax_pipeline(
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
-    the CPU, the KV cache gets vectorised attention kernels (``cpu_attention``) and, given the
-    model's ``rope`` (theta, scaling), a RoPE kernel that computes each angle once
-    (``cpu_rope``); the sampler's argmax, SiLU and the RMS norms are vectorised (``cpu_argmax``,
-    ``cpu_silu``, ``cpu_rms_norm``); and every CPU kernel is compiled ``noalias``, or with
-    ``noalias=False`` (the int8-activation path) none is (``noalias.py``)."""
+    the CPU, the KV cache gets vectorised attention and append kernels (``cpu_attention``,
+    ``cpu_kv_append``) and, given the model's ``rope`` (theta, scaling), a RoPE kernel that
+    computes each angle once (``cpu_rope``); the sampler's argmax, SiLU and the RMS norms are
+    vectorised (``cpu_argmax``, ``cpu_silu``, ``cpu_rms_norm``); and every CPU kernel is compiled
+    ``noalias``, or with ``noalias=False`` (the int8-activation path) none is (``noalias.py``)."""
     is_gpu = target.kind.name != "llvm"
     cpu_kernels = [
         UseCPUAttentionKernels(target),
+        UseCPUAppendKernel(),
         *([UseCPURopeKernel(*rope)] if rope else []),
         UseCPUArgmaxKernel(),
     ]
