@@ -43,10 +43,11 @@ def transpose_append(h_kv: int, d: int, dtype: str) -> tirx.PrimFunc:
                 T.writes()
                 position: T.let[T.int32] = position_map[t]
                 if position != -1:
+                    page: T.let[T.int32] = position // PAGE
+                    slot: T.let[T.int32] = position % PAGE
                     for h, f in T.grid(h_kv, d // LANES):
                         for lane in T.vectorized(LANES):
                             feature: T.let[T.int32] = f * LANES + lane
-                            page, slot = position // PAGE, position % PAGE
                             pages[page, 0, h, slot, feature] = k_data[t, h, feature]
                             pages[page, 1, h, slot, feature] = v_data[t, h, feature]
 

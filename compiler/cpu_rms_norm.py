@@ -20,10 +20,9 @@ from tvm import tirx
 from tvm.relax.transform.legalize_ops.nn import _nn_rms_norm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
-from tvm.script.ir_builder.tirx import prim_func as build_prim_func
 
 from .cpu_attention import float_lanes
-from .cpu_rule import for_each_row
+from .cpu_rule import for_each_row, scheduled_prim_func
 from .vector_reduce import horizontal, tree
 
 CHAINS = 4  # independent accumulators: an add's latency over its throughput
@@ -34,8 +33,7 @@ def rms_norm_func(rank: int, n: int, eps: float, dtype: str, lanes: int) -> tirx
     multiple of ``lanes``."""
     chunks = n // lanes
     f32 = f"float32x{lanes}"
-    with IRBuilder() as ib, build_prim_func(s_tir=True):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+    with IRBuilder() as ib, scheduled_prim_func():
         dims = [T.int64() for _ in range(rank - 1)]
         x = T.match_buffer(T.arg("x", T.handle()), (*dims, n), dtype)
         weight = T.match_buffer(T.arg("weight", T.handle()), (n,), dtype)
@@ -87,9 +85,9 @@ def _legalize_rms_norm(bb: rx.BlockBuilder, call: rx.Call) -> rx.Expr:
     x, weight = call.args
     rank, shape = x.ty.ndim, x.ty.shape  # ndim -1: unknown
     lanes = float_lanes(tvm.target.Target.current())
-    rows = rank >= 2 and shape is not None
-    axes = [int(a) % rank for a in call.attrs.axes] if rows else None
-    n = shape[-1] if rows else None
+    over_rows = rank >= 2 and shape is not None
+    axes = [int(a) % rank for a in call.attrs.axes] if over_rows else None
+    n = shape[-1] if over_rows else None
     if axes != [rank - 1] or not isinstance(n, tirx.IntImm) or int(n) % lanes:
         return _nn_rms_norm(bb, call)
     dtype = str(x.ty.dtype)

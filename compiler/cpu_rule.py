@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.script import tirx as T
+from tvm.script.ir_builder.tirx import prim_func as build_prim_func
 from tvm.target import Target
 
 
@@ -36,6 +40,19 @@ def find_block(sch: s_tir.Schedule, name: str):
 # Output elements below which a kernel runs on the calling thread: a thread-pool launch and
 # barrier costs microseconds (a scheduler time slice when the machine is busy), the work less.
 SERIAL_BELOW_ELEMENTS = 8192
+
+
+@contextmanager
+def scheduled_prim_func() -> Iterator[None]:
+    """A PrimFunc frame, for TVM's IR builder, for a kernel scheduled by hand: the dlight rules
+    must leave it alone, and fusing it with a neighbour would hand the fused function back to
+    them. Unnamed: the module names each kernel where it is added. ``s_tir``, with the body in a
+    root block, as Relax's analyses expect. No ``tirx.noalias``: ``noalias.py`` gives each
+    artifact's kernels one setting, and a kernel compiled alone (``scripts/bench_kernel.py``)
+    then runs as an int8 artifact's do."""
+    with build_prim_func(s_tir=True):
+        T.func_attr({"tirx.is_scheduled": True, "op_pattern": 8})
+        yield
 
 
 def for_each_row(rows, elements, body) -> None:

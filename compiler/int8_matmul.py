@@ -38,8 +38,6 @@ stay whole (a pair sum is at most 2 x 63 x 127), with fewer pair sums added in i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -50,13 +48,12 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
-from tvm.script.ir_builder.tirx import prim_func as build_prim_func
 from tvm.target import Target
 
 from mlc_spec.models.quantized import SUPER_TYPE, GroupFormat, QuantizedWeight, panel_width
 from mlc_spec.runtime.artifact import ACTIVATIONS
 
-from .cpu_rule import for_each_row
+from .cpu_rule import for_each_row, scheduled_prim_func
 from .errors import CompileError
 from .vector_reduce import horizontal, tree
 
@@ -281,18 +278,6 @@ class Int8Matmul:
         return op.reshape(out, (*x.shape[:-1], n))
 
 
-@contextmanager
-def _prim_func() -> Iterator[None]:
-    """A PrimFunc frame for a kernel scheduled here: the dlight rules must leave it alone, and
-    fusing it with a neighbour would hand the fused function back to them. Unnamed: the
-    module names each kernel where it is added. ``s_tir``, with the body in a root block, as
-    Relax's analyses expect."""
-    with build_prim_func(s_tir=True):
-        # not noalias, as the int8 artifacts that hold it are built (``noalias.py``)
-        T.func_attr({"tirx.is_scheduled": True, "op_pattern": 8})
-        yield
-
-
 def _slot(j: int, interleave: bool) -> int:
     """Where column j of a group is stored: with ``interleave``, each 8 columns even first."""
     if not interleave:
@@ -317,7 +302,7 @@ def quantize_func(k: int, group: int, interleave: bool, zero: int) -> tirx.PrimF
     starts so that it comes out as sum((weight code - zero) * code); for asymmetric formats
     (zero 0), sum(codes) * scale (float32), which each group's offset multiplies."""
     groups = k // group
-    with IRBuilder() as ib, _prim_func():
+    with IRBuilder() as ib, scheduled_prim_func():
         m = T.int64()
         x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
@@ -357,7 +342,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
     largest = dot.max_rows
     f32 = dot.f32
 
-    with IRBuilder() as ib, _prim_func():
+    with IRBuilder() as ib, scheduled_prim_func():
         m = T.int64()
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
