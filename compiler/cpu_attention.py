@@ -51,6 +51,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .cpu_rule import float_lanes
 from .vector_exp import exp2
 
 PAGE = 16  # tokens per KV page, the size TVM 0.27's page kernels are generated for
@@ -637,11 +638,6 @@ KERNELS = {
     "batch_prefill_paged_kv_cpu": (attention_prefill_paged, 2, 2),
     "batch_prefill_ragged_kv": (attention_prefill_ragged, 2, 1),
 }
-
-
-def float_lanes(target: tvm.target.Target) -> int:
-    """float32 lanes of the widest vectors the target's CPU has: 16 with AVX-512, else 8."""
-    return 16 if "avx512f" in tvm.target.codegen.llvm_get_cpu_features(target) else 8
 
 
 @tvm.transform.module_pass(opt_level=0, name="UseCPUAttentionKernels")

@@ -24,11 +24,10 @@ predicate and the accumulator tile has a static shape that LLVM keeps in registe
 
 from __future__ import annotations
 
-import tvm
 from tvm import IRModule, s_tir, tirx
 from tvm.target import Target
 
-from .cpu_rule import CPURule, find_block
+from .cpu_rule import CPURule, find_block, float_lanes
 
 # Row tiles of the panel GEMV, each used for m up to its size (beyond the last: that size), as
 # far as the accumulator registers hold them: verify and draft batches of up to 16 rows decode
@@ -46,9 +45,8 @@ def _largest_divisor(n: int, candidates: tuple[int, ...]) -> int:
 
 def _vector_shape(target: Target) -> tuple[int, int]:
     """(float32 lanes of one vector register, vector registers for accumulators)."""
-    if "avx512f" in tvm.target.codegen.llvm_get_cpu_features(target):
-        return 16, 24
-    return 8, 12
+    lanes = float_lanes(target)
+    return lanes, 24 if lanes == 16 else 12
 
 
 def _branch_on_m(func, m, small: dict, gemm, gemm_min_m: int) -> s_tir.Schedule:

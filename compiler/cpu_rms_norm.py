@@ -21,8 +21,7 @@ from tvm.relax.transform.legalize_ops.nn import _nn_rms_norm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from .cpu_attention import float_lanes
-from .cpu_rule import for_each_row, scheduled_prim_func
+from .cpu_rule import float_lanes, for_each_row, scheduled_prim_func
 from .vector_reduce import horizontal, tree
 
 CHAINS = 4  # independent accumulators: an add's latency over its throughput
@@ -84,10 +83,11 @@ def _legalize_rms_norm(bb: rx.BlockBuilder, call: rx.Call) -> rx.Expr:
     multiple of the CPU's float lanes; TVM's legalization for any other."""
     x, weight = call.args
     rank, shape = x.ty.ndim, x.ty.shape  # ndim -1: unknown
+    if rank < 2 or shape is None:
+        return _nn_rms_norm(bb, call)
     lanes = float_lanes(tvm.target.Target.current())
-    over_rows = rank >= 2 and shape is not None
-    axes = [int(a) % rank for a in call.attrs.axes] if over_rows else None
-    n = shape[-1] if over_rows else None
+    axes = [int(a) % rank for a in call.attrs.axes]
+    n = shape[-1]
     if axes != [rank - 1] or not isinstance(n, tirx.IntImm) or int(n) % lanes:
         return _nn_rms_norm(bb, call)
     dtype = str(x.ty.dtype)

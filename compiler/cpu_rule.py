@@ -55,6 +55,11 @@ def scheduled_prim_func() -> Iterator[None]:
         yield
 
 
+def float_lanes(target: Target) -> int:
+    """float32 lanes of the widest vectors the target's CPU has: 16 with AVX-512, else 8."""
+    return 16 if "avx512f" in tvm.target.codegen.llvm_get_cpu_features(target) else 8
+
+
 def for_each_row(rows, elements, body) -> None:
     """For kernels written with TVM's IR builder: ``body(r)`` for each of ``rows`` rows in a
     root block, on the calling thread below ``SERIAL_BELOW_ELEMENTS`` output ``elements`` and on
