@@ -61,11 +61,15 @@ _NIBBLES = 0x0F0F0F0F
 _LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
 _INT16_MAX = 32767
-# How far ahead of a sweep's reads its code lines are prefetched. On a 2-core AVX-512 Xeon
-# (2026-11-23, ``scripts/bench_kernel.py``, Qwen2.5's and SmolLM2's layers alone) 4 KB made
-# 1-row calls 0.79-0.99x and 3-8-row calls 0.65-0.90x as long as none, outputs bit for bit the
-# same; 1.5-2 KB did about as well.
-_PREFETCH_BYTES = 4096
+# How far ahead of a sweep's reads its code lines are prefetched: into L2 from DRAM, and from
+# there into L1. Both kinds are spread over the rows' arithmetic of a group rather than asked for
+# together: a burst of a group's lines filled the L1 miss buffers and held the core until they
+# drained, so that memory and arithmetic took turns. On a 2-core AVX-512 Xeon (2026-11-24,
+# ``scripts/bench_kernel.py``, SmolLM2's layers alone) this took 0.85-0.89x the time of one
+# 4 KB burst into L1 at 1 row and 0.80-0.84x at 4-8 rows; L2 distances of 4-16 KB and L1
+# distances of 0.5-2 KB did alike.
+_PREFETCH_L2_BYTES = 4096
+_PREFETCH_L1_BYTES = 1024
 
 
 def _int16_sums(code_bits: int) -> int:
@@ -137,16 +141,29 @@ class IntegerDot:
         highs = highs >> self._i32_const(-shift) if shift < 0 else highs
         return [(T.Bind(nibbles | (highs & self._i32_const(mask << 4))), column, 1)]
 
-    def accumulate(self, start, parts: list[tuple], bits: int):
-        """``start`` (int32 lanes) plus the exact int32 sum of weight x dot(codes, x) over
-        ``parts`` (codes, x: an int32 of 4 int8 activations, broadcast to every lane; weight)
-        of a ``bits``-bit format's group: a chain of vpdpbusd, or vpmaddubsw pair sums added
-        in int16 (as many as cannot saturate, ``_int16_sums``) and widened by vpmaddwd."""
+    def accumulate(self, starts: list, rows: list[list[tuple]], bits: int) -> list:
+        """Per row, its ``starts`` entry (int32 lanes) plus the exact int32 sum of weight x
+        dot(codes, x) over its parts (codes, x: an int32 of 4 int8 activations, broadcast to
+        every lane; weight) of a ``bits``-bit format's group; every row has the same codes. With
+        vpdpbusd the rows' chains advance together, one part at a time: row after row, each
+        chain of dependent dots (5 cycles apiece) outran what the core's scheduler could hold,
+        and 8 rows took 1.3x as long (weights in cache). vpmaddubsw pair sums are added in int16
+        (as many as cannot saturate, ``_int16_sums``) and widened by vpmaddwd, row by row."""
+        if not self.vnni:
+            return [
+                self._pair_chain(start, parts, bits)
+                for start, parts in zip(starts, rows, strict=True)
+            ]
+        accs = list(starts)
+        for j in range(len(rows[0])):
+            for r, parts in enumerate(rows):
+                codes, x, _ = parts[j]
+                dot = T.call_llvm_pure_intrin(self.i32, self.vnni, accs[r], *self._bytes(codes, x))
+                accs[r] = T.Bind(dot)
+        return accs
+
+    def _pair_chain(self, start, parts: list[tuple], bits: int):
         acc = start
-        if self.vnni:
-            for codes, x, _ in parts:
-                acc = T.call_llvm_pure_intrin(self.i32, self.vnni, acc, *self._bytes(codes, x))
-            return acc
         n = _int16_sums(bits if bits in (5, 6) else 4)
         for weight in sorted({w for _, _, w in parts}):
             sums = [self._pair_sums(c, x) for c, x, w in parts if w == weight]
@@ -215,7 +232,7 @@ _INTEGER_DOTS = (
 # panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
 # Qwen2.5-1.5B's Q4_K and Q6_K layers alone) they took 0.47-0.72x the time of the Zen 4 widths
 # at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. Without the
-# code prefetch (``_PREFETCH_BYTES``) Q4_1 was 1.1-1.3x faster with 2 vectors at 4-7 rows;
+# code prefetch (``_PREFETCH_L2_BYTES``) Q4_1 was 1.1-1.3x faster with 2 vectors at 4-7 rows;
 # with it, 2 and 4 are within a few percent for every format but Q6_K, where 4 wins
 # (``bench_kernel.py --widths 2,4``, docs/benchmarks.md).
 _WIDE_SWEEPS = (4,) * 8
@@ -284,6 +301,11 @@ def _slot(j: int, interleave: bool) -> int:
         return j
     block, i = divmod(j, 8)
     return 8 * block + (i // 2 if i % 2 == 0 else 4 + i // 2)
+
+
+def _spread(items: list, slots: int) -> list[list]:
+    """``items`` in order, cut into ``slots`` runs whose lengths differ by at most one."""
+    return [items[s * len(items) // slots : (s + 1) * len(items) // slots] for s in range(slots)]
 
 
 def _sums_dtype(zero: int) -> str:
@@ -407,39 +429,57 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                 for part, column, weight in dot.decode(words, fmt.bits)
             ]
 
-        def group_terms(p, g, v, i: int, rows: int, base, acc_load, acc_store) -> None:
+        def group_terms(p, g, v, i: int, rows: int, base, acc_load, acc_store, ahead) -> None:
             """Adds group g of vector v of panel p, times rows base .. base + rows - 1 (all
             valid), to their accumulators (slot i of each row's): the group's code vectors are
-            loaded and decoded once for all the rows."""
+            loaded and decoded once for all the rows. ``ahead[r]``: the prefetches to ask for
+            beside row r's epilogue."""
             lane0 = v * lanes
             parts = group_parts(p, g, lane0)
             scale, offset = scale_offset(p, g, lane0)
             scale = T.Bind(scale)
             offset = T.Bind(offset) if offset is not None else None
+            starts = [
+                tirx.Broadcast(xsum[base + r, g] if fmt.zero else T.int32(0), lanes)
+                for r in range(rows)
+            ]
+            words = [[(c, x_word(base + r, col), w) for c, col, w in parts] for r in range(rows)]
+            sums = dot.accumulate(starts, words, fmt.bits)
             for r in range(rows):
+                for call in ahead[r]:
+                    T.evaluate(call)
                 row = base + r
-                start = tirx.Broadcast(xsum[row, g] if fmt.zero else T.int32(0), lanes)
-                words = [(c, x_word(row, col), w) for c, col, w in parts]
-                ints = T.Cast(f32, dot.accumulate(start, words, fmt.bits))
+                ints = T.Cast(f32, sums[r])
                 xscale = scale * tirx.Broadcast(xs[row, g], lanes)
                 value = dot.fma(ints, xscale, acc_load(r, i))
                 if offset is not None:
                     value = dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
                 acc_store(r, i, value)
 
-        def prefetch(p, g, first, width: int) -> None:
-            """Ask for the code lines that this sweep reads ``_PREFETCH_BYTES`` on from group
-            g's (one 64-byte line per word and vector). The hardware prefetchers stop at 4 KB
-            pages and fall behind once several rows' arithmetic runs between the loads; past
-            the last group the address lies in the next panel or past the buffer, where a
-            prefetch does nothing."""
-            ahead = -(-_PREFETCH_BYTES // (words_per_group * width * lanes * 4))
-            for w in range(words_per_group):
-                for i in range(width):
-                    line = codes[p, (g + ahead) * words_per_group + w, (first + i) * lanes]
-                    T.evaluate(
-                        T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(line), 0, 3, 1)
-                    )  # read, keep in all cache levels, data
+        def prefetches(p, g, first, width: int) -> list:
+            """Calls asking for the code lines that this sweep reads ``_PREFETCH_L2_BYTES`` on
+            from group g's (into L2) and ``_PREFETCH_L1_BYTES`` on (into L1), alternating; one
+            64-byte line per word and vector. The hardware prefetchers stop at 4 KB pages and
+            fall behind once several rows' arithmetic runs between the loads; past the last
+            group the address lies in the next panel or past the buffer, where a prefetch does
+            nothing."""
+
+            def ask(distance: int, locality: int) -> list:
+                ahead = -(-distance // (words_per_group * width * lanes * 4))
+                lines = [
+                    codes[p, (g + ahead) * words_per_group + w, (first + i) * lanes]
+                    for i in range(width)
+                    for w in range(words_per_group)
+                ]
+                return [
+                    T.call_llvm_intrin(
+                        "void", "llvm.prefetch.p0", T.address_of(line), 0, locality, 1
+                    )
+                    for line in lines
+                ]  # read, the cache level (3: L1, 2: L2), data
+
+            pairs = zip(ask(_PREFETCH_L2_BYTES, 2), ask(_PREFETCH_L1_BYTES, 3), strict=True)
+            return [call for pair in pairs for call in pair]
 
         def in_registers(p, first, width: int, rows: int, base) -> None:
             """Rows base .. base + rows - 1 times ``width`` vectors of panel p from vector
@@ -459,9 +499,10 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                 for i in range(width):
                     store(r, i, tirx.Broadcast(T.float32(0), lanes))
             with T.serial(0, groups) as g:
-                prefetch(p, g, first, width)
+                asks = _spread(prefetches(p, g, first, width), width * rows)
                 for i in range(width):
-                    group_terms(p, g, first + i, i, rows, base, load, store)
+                    ahead = asks[i * rows : (i + 1) * rows]
+                    group_terms(p, g, first + i, i, rows, base, load, store, ahead)
             for r in range(rows):
                 for i in range(width):
                     column = T.ramp(p * panel + (first + i) * lanes, 1, lanes)
