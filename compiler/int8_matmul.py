@@ -63,11 +63,14 @@ _INT8_MAX = 127.0
 _INT16_MAX = 32767
 # How far ahead of a sweep's reads its code lines are prefetched: into L2 from DRAM, and from
 # there into L1. Both kinds are spread over the rows' arithmetic of a group rather than asked for
-# together: a burst of a group's lines filled the L1 miss buffers and held the core until they
-# drained, so that memory and arithmetic took turns. On a 2-core AVX-512 Xeon (2026-11-24,
-# ``scripts/bench_kernel.py``, SmolLM2's layers alone) this took 0.85-0.89x the time of one
-# 4 KB burst into L1 at 1 row and 0.80-0.84x at 4-8 rows; L2 distances of 4-16 KB and L1
-# distances of 0.5-2 KB did alike.
+# together: a burst of a group's lines (until 2026-11-24 one 4 KB burst into L1) filled the L1
+# miss buffers and held the core until they drained, so that memory and arithmetic took turns.
+# On a 2-core AVX-512 Xeon (2026-11-24, ``scripts/bench_kernel.py``, SmolLM2's layers alone),
+# with the rows' dots advancing together (``IntegerDot.accumulate``), this kernel took
+# 0.85-0.89x the former one's time at 1 row and 0.80-0.84x at 4-8 rows; L2 distances of 4-16 KB
+# and L1 distances of 0.5-2 KB did alike. The prefetch change alone, in the whole SmolLM2 int8
+# model (``scripts/bench_ab.py``, 15 rounds): prefill 0.96x, verify 8 tokens 0.98x, verify 2
+# 1.03x, decode and verify 4 within 1.5%.
 _PREFETCH_L2_BYTES = 4096
 _PREFETCH_L1_BYTES = 1024
 
@@ -231,10 +234,12 @@ _INTEGER_DOTS = (
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
 # panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
 # Qwen2.5-1.5B's Q4_K and Q6_K layers alone) they took 0.47-0.72x the time of the Zen 4 widths
-# at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. Without the
-# code prefetch (``_PREFETCH_L2_BYTES``) Q4_1 was 1.1-1.3x faster with 2 vectors at 4-7 rows;
-# with it, 2 and 4 are within a few percent for every format but Q6_K, where 4 wins
-# (``bench_kernel.py --widths 2,4``, docs/benchmarks.md).
+# at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. Without a
+# code prefetch (then one 4 KB burst into L1) Q4_1 was 1.1-1.3x faster with 2 vectors at 4-7
+# rows; with it, 2 and 4 are within a few percent for every format but Q6_K, where 4 wins
+# (``bench_kernel.py --widths 2,4``, docs/benchmarks.md). With today's prefetches and rows
+# advancing together, 4 vectors still took 0.80-0.92x the time of 2 at 8 rows of SmolLM2's
+# layers (``--widths 1,2,4``).
 _WIDE_SWEEPS = (4,) * 8
 
 
