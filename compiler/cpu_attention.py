@@ -10,14 +10,14 @@ the same arguments in the same order, because the KV cache calls them by positio
 module that ``TIRPagedKVCache`` built.
 
 The decode and ragged kernels attend each (query row, head) pair on its own: one online
-softmax over its keys, 16 keys (one page) at a time. A chunk whose 16 K rows may all be read (a
-page; 16 keys of a ragged buffer) computes its 16 dot products side by side, 16 independent FMA
-chains, and adds up their partial sums with one transposing tree of shuffles
-(``transpose_sum``) that leaves key r's score in lane r; a shorter ragged chunk takes its keys
-one at a time. Only a chunk that raises the running max rescales what was summed, and the
-running sum is kept per lane, so a chunk's one horizontal reduction is its max. Values are
-added with one vector FMA per key. The thread pool splits the work over (head, block of query
-rows).
+softmax over its keys, 16 keys (one page) at a time. A chunk computes its dot products side by
+side, independent FMA chains, and adds up their partial sums with one transposing tree of
+shuffles (``transpose_sum``) that leaves key r's score in lane r; a short ragged chunk too (a
+verify step's new keys: with one horizontal sum per key, the ragged kernel took 1.1-1.2x as
+long for 2-9 new rows of SmolLM2's heads, 2 threads, 2026-11-24). Only a chunk that raises the
+running max rescales what was summed, and the running sum is kept per lane, so a chunk's one
+horizontal reduction is its max. Values are added with one vector FMA per key. The thread pool
+splits the work over (head, block of query rows).
 
 The paged prefill kernel, which a verify step runs over each sequence's prefix (K + 1 rows
 against the same pages), puts query vectors in vector lanes instead: a sequence's new rows
@@ -143,19 +143,18 @@ def _outputs_from_lanes(output, ot, total, tile: tuple, fb, group: int, lanes: i
 
 def _row_macros(d: int, dtype: str):
     """The steps of one (query row, head) online softmax over the ``state`` buffers that the
-    kernel allocates (``_state``): the scaled query, the running output, a chunk's scores, 16
-    lanes of scratch for a dot product, the scalars (running max, chunk max, rescale), a
-    chunk's 16 dot products and their transposing sum, and the running sum per lane.
+    kernel allocates (``_state``): the scaled query, the running output, a chunk's scores, the
+    scalars (running max, chunk max, rescale), a chunk's 16 dot products and their
+    transposing sum, and the running sum per lane.
 
     ``start`` loads the query; ``chunk`` folds in ``n`` <= 16 keys whose K rows start at
-    ``k_base`` and V rows at ``v_base`` of the flat buffers, ``stride`` elements apart, and
-    ``whole_chunk`` does the same where all 16 K rows may be read; ``finish`` writes the row's
-    output and base-2 log-sum-exp."""
+    ``k_base`` and V rows at ``v_base`` of the flat buffers, ``stride`` elements apart;
+    ``finish`` writes the row's output and base-2 log-sum-exp."""
     vecs = d // LANES
 
     @T.macro
     def start(q, row, h, scale, state):
-        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        q_loc, o_loc, s_loc, st, dots, red, lsum = state
         for c in T.unroll(vecs):
             for lane in T.vectorized(LANES):
                 q_loc[c * LANES + lane] = T.cast(q[row, h, c * LANES + lane], "float32") * scale
@@ -187,7 +186,7 @@ def _row_macros(d: int, dtype: str):
     def update(vf, v_base, stride, n, state):
         """Fold a chunk's scores ``s_loc`` (masked past ``n``) into the running softmax and
         add its first ``n`` V rows."""
-        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        q_loc, o_loc, s_loc, st, dots, red, lsum = state
         st[2] = _butterfly(s_loc, T.max)
         if st[2] > st[0]:  # a new running max: rescale what was summed so far
             st[3] = exp2(st[0] - st[2])
@@ -208,17 +207,6 @@ def _row_macros(d: int, dtype: str):
                 add_value(vf, v_base + r * stride, s_loc[r], o_loc)
 
     @T.macro
-    def chunk(kf, vf, k_base, v_base, stride, n, state):
-        """Fold in ``n`` <= 16 keys one at a time, reading no K or V row past them."""
-        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
-        for lane in T.vectorized(PAGE):
-            s_loc[lane] = T.float32(_MASKED)
-        for r in range(n):
-            partial_dot(kf, k_base + r * stride, q_loc, acc, 0)
-            s_loc[r] = _butterfly(acc, tirx.Add)
-        update(vf, v_base, stride, n, state)
-
-    @T.macro
     def transpose_sum(dots, red):
         """``dots`` holds LANES vectors of partial sums, key r's in vector r; leaves key r's
         total in lane r of ``red[0:LANES]`` (4 levels of ``_halves``, ping-ponging)."""
@@ -231,20 +219,34 @@ def _row_macros(d: int, dtype: str):
         red[T.ramp(0, 1, LANES)] = _halves(red, 0, 1)
 
     @T.macro
-    def whole_chunk(kf, vf, k_base, v_base, stride, n, state):
-        """``chunk`` for a chunk whose 16 K rows may all be read (a page; keys past ``n`` are
-        masked), dot products side by side."""
-        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
-        for r in T.unroll(PAGE):
-            partial_dot(kf, k_base + r * stride, q_loc, dots, r * LANES)
+    def chunk(kf, vf, k_base, v_base, stride, n, state, whole: bool):
+        """Fold in ``n`` <= 16 keys, their dot products side by side and summed by one
+        transposing tree, the slots past ``n`` masked. ``whole``: all 16 K rows may be read (a
+        page); else only the first ``n`` are, and the slots past them hold what they held
+        (``clear_dots`` before a row's first chunk), which only their own masked lanes see."""
+        q_loc, o_loc, s_loc, st, dots, red, lsum = state
+        if whole:
+            for r in T.unroll(PAGE):
+                partial_dot(kf, k_base + r * stride, q_loc, dots, r * LANES)
+        else:
+            for r in range(n):
+                partial_dot(kf, k_base + r * stride, q_loc, dots, r * LANES)
         transpose_sum(dots, red)
         for lane in T.vectorized(PAGE):
             s_loc[lane] = T.Select(lane < n, red[lane], T.float32(_MASKED))
         update(vf, v_base, stride, n, state)
 
     @T.macro
+    def clear_dots(state):
+        """Zeros in the dot-product slots, which a short chunk leaves as they were."""
+        q_loc, o_loc, s_loc, st, dots, red, lsum = state
+        for r in range(PAGE):
+            for lane in T.vectorized(LANES):
+                dots[r * LANES + lane] = T.float32(0)
+
+    @T.macro
     def finish(output, lse, row, h, state):
-        q_loc, o_loc, s_loc, acc, st, dots, red, lsum = state
+        q_loc, o_loc, s_loc, st, dots, red, lsum = state
         st[1] = _butterfly(lsum, tirx.Add)
         if st[1] > T.float32(0):
             st[2] = T.float32(1) / st[1]
@@ -260,7 +262,7 @@ def _row_macros(d: int, dtype: str):
                     output[row, h, c * LANES + lane] = T.cast(T.float32(0), dtype)
             lse[row, h] = T.float32(_EMPTY)
 
-    return start, chunk, whole_chunk, finish
+    return start, chunk, clear_dots, finish
 
 
 def _state(d: int):
@@ -269,7 +271,6 @@ def _state(d: int):
         T.sblock_alloc_buffer((d,), "float32", scope="global"),
         T.sblock_alloc_buffer((d,), "float32", scope="global"),
         T.sblock_alloc_buffer((PAGE,), "float32", scope="global"),
-        T.sblock_alloc_buffer((LANES,), "float32", scope="global"),
         T.sblock_alloc_buffer((4,), "float32", scope="global"),
         T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="global"),
         T.sblock_alloc_buffer((PAGE * LANES,), "float32", scope="global"),
@@ -299,7 +300,7 @@ def _paged_kv_len(page_indptr, length_info, seq):
 def _paged_row(h_kv: int, h_q: int, d: int, dtype: str):
     """A macro: one (query row, head) over the first ``limit`` keys in sequence ``seq``'s
     pages. ``io`` holds the kernel's buffers, the page pool as one ``flat`` buffer."""
-    start, _, whole_chunk, finish = _row_macros(d, dtype)
+    start, chunk, _, finish = _row_macros(d, dtype)
     group, v_offset = h_q // h_kv, h_kv * PAGE * d  # a page holds all heads' K, then their V
 
     @T.macro
@@ -309,7 +310,7 @@ def _paged_row(h_kv: int, h_q: int, d: int, dtype: str):
         for p in range((limit + PAGE - 1) // PAGE):
             base = (page_values[page_indptr[seq] + p] * 2 * h_kv + h // group) * PAGE * d
             n = T.min(PAGE, limit - p * PAGE)
-            whole_chunk(flat, flat, base, base + v_offset, d, n, state)
+            chunk(flat, flat, base, base + v_offset, d, n, state, whole=True)
         finish(output, lse, row, h, state)
 
     return attend
@@ -622,7 +623,7 @@ def attention_prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, lanes: int)
 
 def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
     """New tokens of each sequence against the new tokens' own keys and values."""
-    start, chunk, whole_chunk, finish = _row_macros(d, dtype)
+    start, chunk, clear_dots, finish = _row_macros(d, dtype)
     group = h_q // h_kv
 
     @T.macro
@@ -633,13 +634,14 @@ def attention_prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.Pr
         qo_b: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
         limit = _kv_limit(causal, kv_indptr[b + 1] - first, qo_b, row - q_indptr[b])
         start(q, row, h, scale, state)
+        clear_dots(state)
         for p in range((limit + PAGE - 1) // PAGE):
             base = ((first + p * PAGE) * h_kv + h // group) * d
             n = T.min(PAGE, limit - p * PAGE)
             if n == PAGE:
-                whole_chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+                chunk(k_flat, v_flat, base, base, h_kv * d, n, state, whole=True)
             else:
-                chunk(k_flat, v_flat, base, base, h_kv * d, n, state)
+                chunk(k_flat, v_flat, base, base, h_kv * d, n, state, whole=False)
         finish(output, lse, row, h, state)
 
     @T.prim_func(s_tir=True)
