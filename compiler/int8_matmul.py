@@ -70,7 +70,10 @@ _INT16_MAX = 32767
 # 0.85-0.89x the former one's time at 1 row and 0.80-0.84x at 4-8 rows; L2 distances of 4-16 KB
 # and L1 distances of 0.5-2 KB did alike. The prefetch change alone, in the whole SmolLM2 int8
 # model (``scripts/bench_ab.py``, 15 rounds): prefill 0.96x, verify 8 tokens 0.98x, verify 2
-# 1.03x, decode and verify 4 within 1.5%.
+# 1.03x, decode and verify 4 within 1.5%. Asking for the group scales' and offsets' lines as
+# well, at the same distance, gave (``scripts/bench_ab.py``, 30 rounds, 2026-11-24) prefill
+# 0.94-0.95x with verify within 2% on that Xeon, and decode 0.93-0.95x, verify 2-4 tokens
+# 0.93-0.98x, verify 8 1.00x in an AVX2 (x86-64-v3) build.
 _PREFETCH_L2_BYTES = 4096
 _PREFETCH_L1_BYTES = 1024
 
@@ -464,9 +467,10 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
         def prefetches(p, g, first, width: int) -> list:
             """Calls asking for the code lines that this sweep reads ``_PREFETCH_L2_BYTES`` on
             from group g's (into L2) and ``_PREFETCH_L1_BYTES`` on (into L1), alternating; one
-            64-byte line per word and vector. The hardware prefetchers stop at 4 KB pages and
-            fall behind once several rows' arithmetic runs between the loads; past the last
-            group the address lies in the next panel or past the buffer, where a prefetch does
+            64-byte line per word and vector, and the lines of the same group's scales and
+            offsets, separate streams. The hardware prefetchers stop at 4 KB pages and fall
+            behind once several rows' arithmetic runs between the loads; past the last group
+            the address lies in the next panel or past the buffer, where a prefetch does
             nothing."""
 
             def ask(distance: int, locality: int) -> list:
@@ -476,6 +480,14 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                     for i in range(width)
                     for w in range(words_per_group)
                 ]
+                for small in (scales, offsets):
+                    if small is None:
+                        continue
+                    step = max(1, 64 // np.dtype(str(small.dtype)).itemsize)
+                    lines += [
+                        small[p, g + ahead, first * lanes + lane]
+                        for lane in range(0, width * lanes, step)
+                    ]
                 return [
                     T.call_llvm_intrin(
                         "void", "llvm.prefetch.p0", T.address_of(line), 0, locality, 1
