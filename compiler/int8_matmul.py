@@ -72,10 +72,11 @@ _INT16_MAX = 32767
 # model (``scripts/bench_ab.py``, 15 rounds): prefill 0.96x, verify 8 tokens 0.98x, verify 2
 # 1.03x, decode and verify 4 within 1.5%. Asking for the group scales' and offsets' lines as
 # well, at the same distance, gave (``scripts/bench_ab.py``, 30 rounds, 2026-11-24) prefill
-# 0.94-0.95x with verify within 2% on that Xeon, and decode 0.93-0.95x, verify 2-4 tokens
-# 0.93-0.98x, verify 8 1.00x in an AVX2 (x86-64-v3) build.
+# 0.94-0.95x with decode and verify 0.97-1.00x on that Xeon, and decode 0.93-0.97x, verify 2-4
+# tokens 0.93-0.98x, verify 8 1.00x in an AVX2 (x86-64-v3) build.
 _PREFETCH_L2_BYTES = 4096
 _PREFETCH_L1_BYTES = 1024
+_CACHE_LINE_BYTES = 64
 
 
 def _int16_sums(code_bits: int) -> int:
@@ -483,7 +484,7 @@ def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -
                 for small in (scales, offsets):
                     if small is None:
                         continue
-                    step = max(1, 64 // np.dtype(str(small.dtype)).itemsize)
+                    step = max(1, _CACHE_LINE_BYTES // np.dtype(str(small.dtype)).itemsize)
                     lines += [
                         small[p, g + ahead, first * lanes + lane]
                         for lane in range(0, width * lanes, step)
