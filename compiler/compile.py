@@ -13,18 +13,20 @@ import safetensors.numpy
 import tvm
 
 from mlc_spec.models import MODEL_CLASSES, ConfigError, LlamaForCausalLM, ModelConfig
+from mlc_spec.models.kv_cache import TVMKVCache
 from mlc_spec.models.quantized import PANEL_SUFFIXES, quantizable_weights, quantize_layers
 from mlc_spec.runtime.artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
-    FUNCTIONS,
     LIBRARY_FILE,
     WEIGHTS_FILE,
     ParamRecord,
+    functions,
 )
 
 from . import flashinfer
 from .convert import convert_parameters
+from .cpu_kv_cache import CPUKVCache
 from .errors import CompileError
 from .head_vocab import head_vocab
 from .int8_matmul import Int8Matmul, check_activations
@@ -101,7 +103,8 @@ def compile_model(
     if attention == "flashinfer":
         flashinfer.check_supported(cfg, cuda_arch)
     quantization = quantization or ("as-source" if source.stored_formats else "none")
-    module = MODEL_CLASSES[cfg.family](cfg, tvm_target, attention)
+    kv_cache = CPUKVCache(cfg) if target == "llvm" else TVMKVCache(attention)
+    module = MODEL_CLASSES[cfg.family](cfg, tvm_target, kv_cache)
     module.to(cfg.dtype)
     weights = quantizable_weights(module)
     plan = plan_quantization(
@@ -195,12 +198,7 @@ def _write_artifact(
             executable = tvm.compile(
                 ir_module,
                 target=tvm_target,
-                relax_pipeline=relax_pipeline(
-                    tvm_target,
-                    cfg.dtype,
-                    rope=(cfg.rope_theta, cfg.rope_scaling),
-                    noalias=activations != "int8",
-                ),
+                relax_pipeline=relax_pipeline(tvm_target, cfg.dtype, noalias=activations != "int8"),
             )
             executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
         except Exception as err:  # noqa: BLE001 - TVM raises many types
@@ -216,8 +214,9 @@ def _write_artifact(
             "target_spec": str(tvm_target),
             "cpu_features": vector_features(tvm_target),
             "attention": attention,
+            "kv_cache": module.kv_cache.name,
             "tvm_version": tvm.__version__,
-            "functions": list(FUNCTIONS),
+            "functions": list(functions(module.kv_cache.name)),
             "quantization": quantization,
             "activations": activations,
             "params": [r.to_json() for r in records],

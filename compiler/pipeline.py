@@ -9,12 +9,9 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from .cpu_argmax import UseCPUArgmaxKernel
-from .cpu_attention import UseCPUAttentionKernels
 from .cpu_elementwise import CPUElementwise
-from .cpu_kv_append import UseCPUAppendKernel
 from .cpu_matmul import CPUMatmul
 from .cpu_rms_norm import LEGALIZE as RMS_NORM_LEGALIZE
-from .cpu_rope import UseCPURopeKernel
 from .cpu_rule import SerialWhenSmall
 from .cpu_silu import LEGALIZE as SILU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
@@ -59,26 +56,17 @@ def _schedule_rules(target: Target) -> list[ScheduleRule]:
     return [_Guarded(rule) for rule in rules]
 
 
-def relax_pipeline(
-    target: Target, dtype: str, rope: tuple[float, dict | None] | None = None, noalias: bool = True
-) -> tvm.transform.Pass:
+def relax_pipeline(target: Target, dtype: str, noalias: bool = True) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
-    the CPU, the KV cache gets vectorised attention and append kernels (``cpu_attention``,
-    ``cpu_kv_append``) and, given the model's ``rope`` (theta, scaling), a RoPE kernel that
-    computes each angle once (``cpu_rope``); the sampler's argmax, SiLU and the RMS norms are
-    vectorised (``cpu_argmax``, ``cpu_silu``, ``cpu_rms_norm``); and every CPU kernel is compiled
-    ``noalias``, or with ``noalias=False`` (the int8-activation path) none is (``noalias.py``)."""
+    the CPU, the sampler's argmax, SiLU and the RMS norms are vectorised (``cpu_argmax``,
+    ``cpu_silu``, ``cpu_rms_norm``; the KV cache's kernels come with the model,
+    ``cpu_kv_cache``), and every CPU kernel is compiled ``noalias``, or with ``noalias=False``
+    (the int8-activation path) none is (``noalias.py``)."""
     is_gpu = target.kind.name != "llvm"
-    cpu_kernels = [
-        UseCPUAttentionKernels(target),
-        UseCPUAppendKernel(),
-        *([UseCPURopeKernel(*rope)] if rope else []),
-        UseCPUArgmaxKernel(),
-    ]
     passes = [
-        *([] if is_gpu else cpu_kernels),
+        *([] if is_gpu else [UseCPUArgmaxKernel()]),
         rx.transform.FuseTransposeMatmul(),
         rx.backend.DispatchSortScan(),
         rx.transform.LegalizeOps(None if is_gpu else {**SILU_LEGALIZE, **RMS_NORM_LEGALIZE}),

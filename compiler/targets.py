@@ -12,8 +12,9 @@ from .errors import CompileError
 TARGETS = ("llvm", "cuda")
 DEFAULT_DTYPE = {"llvm": "float32", "cuda": "float16"}
 ALLOWED_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "bfloat16", "float32")}
-# Attention kernels of the paged KV cache; the first is the default. "tir" is TVM's own.
-ATTENTION = {"llvm": ("tir",), "cuda": ("flashinfer", "tir")}
+# Attention kernels of the paged KV cache; the first is the default. On the CPU: this package's
+# (``cpu_kv_cache``); on CUDA, in TVM's KV cache object: FlashInfer's, or "tir", TVM's own.
+ATTENTION = {"llvm": ("cpu",), "cuda": ("flashinfer", "tir")}
 
 
 def make_target(name: str, cuda_arch: str = "sm_90", cpu: str = "native") -> Target:

@@ -11,16 +11,12 @@ from tvm import relax as rx
 from tvm import runtime, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
-from tvm.relax.frontend.nn.llm.kv_cache import (
-    FlashInferPagedKVCache,
-    PagedKVCache,
-    RopeMode,
-    TIRPagedKVCache,
-)
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 from tvm.script import tirx as T
 from tvm.target import Target
 
 from .config import ModelConfig
+from .kv_cache import BoundKVCache, ModelKVCache, TVMKVCache
 from .quantized import QuantizedEmbedding
 
 # Our fused parameter suffix -> the Hugging Face parameters concatenated (along the output rows).
@@ -49,10 +45,6 @@ def hf_sources(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-# Attention kernels of the paged KV cache: TVM's own TIR kernels, or FlashInfer's (CUDA only).
-KV_CACHES = {"tir": TIRPagedKVCache, "flashinfer": FlashInferPagedKVCache}
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         self.num_q, self.num_kv, self.head_dim = (
@@ -64,7 +56,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_q * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv: BoundKVCache, layer_id: int) -> nn.Tensor:
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
         out = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
@@ -89,7 +81,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False)
 
-    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv: BoundKVCache, layer_id: int) -> nn.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -100,7 +92,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
 
-    def forward(self, input_ids: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
+    def forward(self, input_ids: nn.Tensor, kv: BoundKVCache) -> nn.Tensor:
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, kv, i)
@@ -129,18 +121,20 @@ def _unscored_at_minus_inf(scored: int, vocab: int) -> tirx.PrimFunc:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Exports ``prefill``, ``decode``, ``evaluate_multi_query`` and ``create_paged_kv_cache``.
+    """Exports ``prefill``, ``decode`` and ``evaluate_multi_query`` (and, for TVM's KV cache
+    object, ``create_paged_kv_cache``).
 
-    All three forward functions run on the sequences and lengths given to the KV cache's
-    ``begin_forward`` beforehand; the token ids of all sequences are concatenated (ragged).
-    ``attention`` picks the KV cache's kernels (``KV_CACHES``); after export, ``extern_mods``
-    holds the prebuilt kernel libraries that the compiled module must link (FlashInfer's).
+    All three forward functions run on the sequences and lengths of the KV cache's forward
+    pass: TVM's ``begin_forward`` beforehand, or the page tables passed in with the pages
+    (``kv_cache``, a ``models.kv_cache.ModelKVCache``); the token ids of all sequences are
+    concatenated (ragged). After export, ``extern_mods`` holds the prebuilt kernel libraries
+    that the compiled module must link (FlashInfer's).
     """
 
-    def __init__(self, cfg: ModelConfig, target: Target, attention: str = "tir"):
+    def __init__(self, cfg: ModelConfig, target: Target, kv_cache: ModelKVCache):
         self.cfg = cfg
         self.target = target
-        self.attention = attention
+        self.kv_cache = kv_cache
         self.extern_mods: list[runtime.Module] = []
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
@@ -167,20 +161,23 @@ class LlamaForCausalLM(nn.Module):
             logits = op.reshape(full, (*logits.shape[:-1], vocab))
         return logits
 
-    def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv: PagedKVCache):
+    def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv):
         """New tokens of one or more sequences [1, total]; logits at ``logit_positions``
         (each sequence's last token) [1, batch, vocab]. Also continues a sequence (chunks)."""
-        h = op.take(self.model(input_ids, kv), logit_positions, axis=1)
-        return self._logits(h), kv
+        bound = self.kv_cache.bind(kv)
+        h = op.take(self.model(input_ids, bound), logit_positions, axis=1)
+        return self._logits(h), bound.result
 
-    def decode(self, input_ids: nn.Tensor, kv: PagedKVCache):
+    def decode(self, input_ids: nn.Tensor, kv):
         """One new token for each of a batch of sequences [batch, 1] -> [batch, 1, vocab]."""
-        return self._logits(self.model(input_ids, kv)), kv
+        bound = self.kv_cache.bind(kv)
+        return self._logits(self.model(input_ids, bound)), bound.result
 
-    def evaluate_multi_query(self, input_ids: nn.Tensor, kv: PagedKVCache):
+    def evaluate_multi_query(self, input_ids: nn.Tensor, kv):
         """Several new tokens per sequence [1, total] -> logits of every token [1, total, vocab]:
         verifies drafts and recomputes the KV of preempted sequences."""
-        return self._logits(self.model(input_ids, kv)), kv
+        bound = self.kv_cache.bind(kv)
+        return self._logits(self.model(input_ids, bound)), bound.result
 
     def create_paged_kv_cache(
         self,
@@ -191,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         support_sliding_window: tirx.Var,
     ) -> PagedKVCache:
         c = self.cfg
-        cache = KV_CACHES[self.attention](
+        assert isinstance(self.kv_cache, TVMKVCache), "only TVM's KV cache object is created"
+        cache = self.kv_cache.cls(
             attn_kind="mha",
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
@@ -220,10 +218,10 @@ class LlamaForCausalLM(nn.Module):
         return cache
 
     def get_default_spec(self) -> dict:
-        kv = nn.spec.Object(object_type=PagedKVCache)
+        kv = self.kv_cache.spec()
         packed = {"param_mode": "packed", "effect_mode": "none"}
         ids = nn.spec.Tensor([1, "total_len"], "int32")
-        return {
+        spec = {
             "prefill": {
                 "input_ids": ids,
                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
@@ -236,15 +234,17 @@ class LlamaForCausalLM(nn.Module):
                 "$": packed,
             },
             "evaluate_multi_query": {"input_ids": ids, "kv": kv, "$": packed},
-            "create_paged_kv_cache": {
+        }
+        if isinstance(self.kv_cache, TVMKVCache):
+            spec["create_paged_kv_cache"] = {
                 "max_batch_size": int,
                 "max_total_seq_len": int,
                 "prefill_chunk_size": int,
                 "page_size": int,
                 "support_sliding_window": int,
                 "$": {"param_mode": "none", "effect_mode": "none"},
-            },
-        }
+            }
+        return spec
 
 
-__all__ = ["KV_CACHES", "LlamaForCausalLM", "hf_sources"]
+__all__ = ["LlamaForCausalLM", "hf_sources"]

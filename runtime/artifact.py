@@ -20,7 +20,7 @@ from mlc_spec.errors import UserError
 CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # How the linear layers treat activations (``mlc-spec compile --activations``): ``float``, or
 # ``int8``, quantized per row and weight group for integer dot products with quantized weights.
 ACTIVATIONS = ("float", "int8")
@@ -34,13 +34,18 @@ SAMPLER_FUNCTIONS = (
     "verify_sampled_draft",
     "verify_point_draft",
 )
-FUNCTIONS = (
-    "prefill",
-    "decode",
-    "evaluate_multi_query",
-    "create_paged_kv_cache",
-    *SAMPLER_FUNCTIONS,
-)
+MODEL_FUNCTIONS = ("prefill", "decode", "evaluate_multi_query")
+# How the model functions reach their KV cache: "pages", a page pool and page tables passed in
+# (CPU artifacts; ``runtime/kv_cache.py`` keeps the tables), or "tvm", TVM's KV cache object,
+# made by the artifact's ``create_paged_kv_cache`` (CUDA).
+KV_CACHES = ("pages", "tvm")
+
+
+def functions(kv_cache: str) -> tuple[str, ...]:
+    """The functions an artifact with this kind of KV cache exports, in order."""
+    creates = ("create_paged_kv_cache",) if kv_cache == "tvm" else ()
+    return (*MODEL_FUNCTIONS, *creates, *SAMPLER_FUNCTIONS)
+
 
 # Storage dtypes of parameters: float weights, and the codes and scales of quantized ones
 # (uint8, int8: a two-level format's group scales and offsets).
@@ -131,6 +136,8 @@ def read_config(artifact_dir: str | Path) -> dict[str, Any]:
             f"{path} has format version {config.get('format_version')}, "
             f"this mlc-spec reads {FORMAT_VERSION}"
         )
+    if config.get("kv_cache") not in KV_CACHES:
+        raise ArtifactError(f"{path} has unknown kv_cache {config.get('kv_cache')!r}")
     if config.get("activations") not in ACTIVATIONS:
         raise ArtifactError(f"{path} has unknown activations {config.get('activations')!r}")
     for name in (LIBRARY_FILE, WEIGHTS_FILE):

@@ -1,11 +1,201 @@
-"""The paged KV cache of one loaded model, through TVM's runtime builtins."""
+"""The paged KV cache of one loaded model.
+
+Sequences are identified by integer ids chosen by the caller; ``Model`` runs each forward pass
+inside ``forward(seq_ids, lengths)``, which yields the ``kv`` argument of the model functions.
+Two kinds, as the artifact says (``runtime/artifact.py``):
+
+* ``PagePool`` (CPU artifacts): the pages are one tensor that the functions take, and this
+  class keeps the page tables. Each forward pass gets, per new token, its position and the slot
+  its K/V goes to, and per sequence its pages; the model appends before it attends, so every
+  row is computed the same way (``compiler/cpu_kv_cache.py``).
+* ``TVMKVCache`` (CUDA artifacts): TVM's KV cache object, made by the artifact, through TVM's
+  runtime builtins.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import tvm
+import tvm.runtime
 import tvm_ffi
+
+from mlc_spec.errors import UserError
+
+
+class KVCacheFull(UserError):
+    """A forward pass needs more pages than are free (the engine plans to avoid it)."""
+
+
+class PagedKVCache(Protocol):
+    page_size: int
+
+    def add_sequence(self, seq_id: int) -> None: ...
+
+    def remove_sequence(self, seq_id: int) -> None: ...
+
+    def fork_sequence(self, parent: int, child: int, fork_pos: int = -1) -> None:
+        """``child`` shares ``parent``'s first ``fork_pos`` tokens (all with -1)."""
+        ...
+
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop the last ``n`` tokens of a sequence (rejected drafts)."""
+        ...
+
+    def sequence_length(self, seq_id: int) -> int: ...
+
+    def available_pages(self) -> int: ...
+
+    def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Any:
+        """A context manager: append ``lengths[i]`` tokens to each sequence; yields the model
+        functions' ``kv`` argument."""
+        ...
+
+
+def _aligned(values: np.ndarray) -> np.ndarray:
+    """A copy of ``values`` whose data is aligned to 64 bytes, as TVM's kernels assume."""
+    raw = np.empty(values.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    aligned = raw[start : start + values.nbytes].view(values.dtype).reshape(values.shape)
+    aligned[...] = values
+    return aligned
+
+
+def host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
+    """A CPU tensor of a copy of ``array``: 1 us, where ``tvm.runtime.tensor`` takes 25."""
+    return tvm_ffi.from_dlpack(_aligned(np.asarray(array)))
+
+
+class _HostTables:
+    """int32 CPU tensors of lists of ints, written into one aligned scratch array that is reused
+    from forward pass to forward pass (each list 64-byte aligned): a decode step's page tables
+    take ~6 us this way, a new array per list ~15 us."""
+
+    def __init__(self):
+        self._scratch = _aligned(np.zeros(1024, np.int32))
+
+    def tensors(self, lists: Sequence[list[int]]) -> list[tvm.runtime.Tensor]:
+        flat: list[int] = []
+        starts = []
+        for values in lists:
+            starts.append(len(flat))
+            flat += values
+            flat += [0] * (-len(values) % 16)
+        if len(flat) > len(self._scratch):
+            self._scratch = _aligned(np.zeros(2 * len(flat), np.int32))
+        self._scratch[: len(flat)] = flat
+        return [
+            tvm_ffi.from_dlpack(self._scratch[at : at + len(values)])
+            for values, at in zip(lists, starts, strict=True)
+        ]
+
+
+@dataclass
+class _Sequence:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class PagePool:
+    """Pages of ``page_size`` tokens in ``pages`` [layers, num_pages, 2, kv heads, page_size,
+    head size], shared copy-on-write between forked sequences (a reference count per page)."""
+
+    def __init__(self, pages: tvm.runtime.Tensor, page_size: int):
+        self.pages = pages
+        self.page_size = page_size
+        self._view = np.from_dlpack(pages)  # for copying a shared page before it is written
+        num_pages = pages.shape[1]
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._refs = np.zeros(num_pages, np.int32)
+        self._seqs: dict[int, _Sequence] = {}
+        self._tables = _HostTables()  # valid for one forward pass at a time
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} is already in the KV cache")
+        self._seqs[seq_id] = _Sequence()
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._release(self._seq(seq_id).pages)
+        del self._seqs[seq_id]
+
+    def fork_sequence(self, parent: int, child: int, fork_pos: int = -1) -> None:
+        source = self._seq(parent)
+        length = source.length if fork_pos == -1 else fork_pos
+        if not 0 <= length <= source.length:
+            raise ValueError(f"fork position {fork_pos} outside sequence {parent}")
+        self.add_sequence(child)
+        shared = source.pages[: -(-length // self.page_size)]
+        self._refs[shared] += 1
+        self._seqs[child] = _Sequence(list(shared), length)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        seq = self._seq(seq_id)
+        if not 0 <= n <= seq.length:
+            raise ValueError(f"cannot pop {n} of sequence {seq_id}'s {seq.length} tokens")
+        seq.length -= n
+        keep = -(-seq.length // self.page_size)
+        self._release(seq.pages[keep:])
+        del seq.pages[keep:]
+
+    def sequence_length(self, seq_id: int) -> int:
+        return self._seq(seq_id).length
+
+    def available_pages(self) -> int:
+        return len(self._free)
+
+    @contextmanager
+    def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple]:
+        seqs = [self._seq(s) for s in seq_ids]
+        page = self.page_size
+        positions, slots, q_indptr, page_indptr, page_values = [], [], [0], [0], []
+        for seq, n in zip(seqs, lengths, strict=True):
+            self._reserve(seq, seq.length + n)
+            for position in range(seq.length, seq.length + n):
+                positions.append(position)
+                slots.append(seq.pages[position // page] * page + position % page)
+            q_indptr.append(q_indptr[-1] + n)
+            page_values += seq.pages
+            page_indptr.append(len(page_values))
+        parts = (positions, slots, q_indptr, page_indptr, page_values)
+        yield (self.pages, *self._tables.tensors(parts))
+        for seq, n in zip(seqs, lengths, strict=True):
+            seq.length += n
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"sequence {seq_id} is not in the KV cache") from None
+
+    def _reserve(self, seq: _Sequence, length: int) -> None:
+        """Pages for ``length`` tokens, the page being written to owned by ``seq`` alone."""
+        last = seq.length // self.page_size
+        if last < len(seq.pages) and self._refs[seq.pages[last]] > 1:
+            shared = seq.pages[last]
+            seq.pages[last] = self._take()
+            self._view[:, seq.pages[last]] = self._view[:, shared]
+            self._release([shared])
+        while len(seq.pages) * self.page_size < length:
+            seq.pages.append(self._take())
+
+    def _take(self) -> int:
+        if not self._free:
+            raise KVCacheFull("the KV cache has no free page left")
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def _release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+
 
 _BUILTINS = (
     "kv_state_add_sequence",
@@ -19,14 +209,13 @@ _BUILTINS = (
 )
 
 
-class PagedKVCache:
-    """Sequences are identified by integer ids chosen by the caller; a forward pass over a
-    set of sequences is bracketed by ``begin_forward``/``end_forward`` (see ``Model``)."""
+class TVMKVCache:
+    """TVM's KV cache object ``handle``; a forward pass is bracketed by its
+    ``begin_forward``/``end_forward``."""
 
-    def __init__(self, handle: object, page_size: int, max_total_len: int):
+    def __init__(self, handle: object, page_size: int):
         self.handle = handle
         self.page_size = page_size
-        self.total_pages = -(-max_total_len // page_size)
         self._f = {name: tvm.get_global_func("vm.builtin." + name) for name in _BUILTINS}
 
     def add_sequence(self, seq_id: int) -> None:
@@ -36,11 +225,9 @@ class PagedKVCache:
         self._f["kv_state_remove_sequence"](self.handle, seq_id)
 
     def fork_sequence(self, parent: int, child: int, fork_pos: int = -1) -> None:
-        """``child`` shares ``parent``'s first ``fork_pos`` tokens (all with -1) copy-on-write."""
         self._f["kv_state_fork_sequence"](self.handle, parent, child, fork_pos)
 
     def popn(self, seq_id: int, n: int) -> None:
-        """Drop the last ``n`` tokens of a sequence (rejected drafts)."""
         if n:
             self._f["kv_state_popn"](self.handle, seq_id, n)
 
@@ -50,12 +237,14 @@ class PagedKVCache:
     def available_pages(self) -> int:
         return int(self._f["attention_kv_cache_get_num_available_pages"](self.handle))
 
-    def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+    @contextmanager
+    def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Iterator[object]:
         self._f["kv_state_begin_forward"](
             self.handle,
             tvm_ffi.Shape([int(s) for s in seq_ids]),
             tvm_ffi.Shape([int(n) for n in lengths]),
         )
-
-    def end_forward(self) -> None:
-        self._f["kv_state_end_forward"](self.handle)
+        try:
+            yield self.handle
+        finally:
+            self._f["kv_state_end_forward"](self.handle)

@@ -19,7 +19,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from . import rows
 from .artifact import LIBRARY_FILE, WEIGHTS_FILE, ArtifactError, missing_cpu_features, read_config
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, PagePool, TVMKVCache, host_tensor
 from .sampler import Sampler
 from .weights import load_params
 
@@ -89,11 +89,24 @@ class Model:
         prefill_chunk_size: int,
         page_size: int = PAGE_SIZE,
     ) -> PagedKVCache:
+        """Room for ``max_total_len`` tokens of all sequences together; TVM's KV cache object
+        also takes at most ``max_batch_size`` sequences and ``prefill_chunk_size`` tokens a
+        forward pass."""
         if page_size != PAGE_SIZE:
             raise ArtifactError(
-                f"page size {page_size} is not supported: TVM's paged-KV kernels are built for "
+                f"page size {page_size} is not supported: the paged-KV kernels are built for "
                 f"{PAGE_SIZE}-token pages"
             )
+        if self.config["kv_cache"] == "pages":
+            m = self.model_config
+            shape = (
+                m["num_hidden_layers"],
+                -(-max_total_len // page_size),
+                2,
+                m["num_key_value_heads"],
+                page_size * m["head_dim"],
+            )
+            return PagePool(tvm.runtime.empty(shape, m["dtype"], self.device), page_size)
         shape = tvm_ffi.Shape
         handle = self._fn["create_paged_kv_cache"](
             shape([max_batch_size]),
@@ -102,17 +115,17 @@ class Model:
             shape([page_size]),
             shape([0]),
         )
-        return PagedKVCache(handle, page_size, max_total_len)
+        return TVMKVCache(handle, page_size)
 
     def _ids(self, flat: np.ndarray, shape: tuple[int, ...]) -> tvm.runtime.Tensor:
-        return tvm.runtime.tensor(np.asarray(flat, dtype=np.int32).reshape(shape), self.device)
+        ids = np.asarray(flat, dtype=np.int32).reshape(shape)
+        if self.config["target"] == "llvm":
+            return host_tensor(ids)
+        return tvm.runtime.tensor(ids, self.device)
 
     def _run(self, name: str, kv: PagedKVCache, seq_ids, lengths, *inputs) -> tvm.runtime.Tensor:
-        kv.begin_forward(seq_ids, lengths)
-        try:
-            out = self._fn[name](*inputs, kv.handle, self.params)
-        finally:
-            kv.end_forward()
+        with kv.forward(seq_ids, lengths) as kv_arg:
+            out = self._fn[name](*inputs, kv_arg, self.params)
         return rows.matrix(out[0])
 
     def prefill(

