@@ -1,14 +1,14 @@
-"""The CPU attention kernels alone at real models' head shapes: this tree's against a git
-revision's.
+"""The CPU attention kernel alone at real models' head shapes: this tree's against a git
+revision's (one whose kernel takes the same arguments: ``paged_attention``, from c3bae87 on).
 
 An attention change worth 10% of a layer's kernel is a few percent of a step, lost in a
 whole-model run on a shared machine. Here both versions of ``compiler/cpu_attention.py``
 compile the same head shapes for this CPU and take turns round by round on the same random
-queries and page pool. One row times the decode kernel (the new token already in the pages);
-more rows time the paged prefill kernel with every row of one sequence seeing the whole
-prefix, which is a verify step's attention over the prefix. Prints microseconds per call,
-B / A (B is this tree, A the revision), and the largest difference between their outputs
-(summation order may differ; the kernels' own tests pin accuracy).
+queries and page pool: ``rows`` new rows at the end of one sequence of ``context`` keys (1: a
+decode step, more: a verify block). The pages stay in cache from call to call, as they do not
+in a model's layer. Prints microseconds per call, B / A (B is this tree, A the revision), and
+the largest difference between their outputs (summation order may differ; the kernels' own
+tests pin accuracy).
 
     python scripts/bench_attention.py --against REV [--context 133] [--rows 1,4,5,8]
         [--shapes smollm2,qwen1.5b,qwen0.5b] [--rounds 12] [--cpu native]
@@ -39,31 +39,26 @@ HEADS = {"smollm2": (3, 9, 64), "qwen1.5b": (2, 12, 128), "qwen0.5b": (2, 14, 64
 CALLS = 200  # calls per version per round: one call is a few microseconds
 
 
-def page_pool(rng: np.random.Generator, context: int, h_kv: int, d: int) -> list[np.ndarray]:
-    """One sequence's ``context`` keys and values on shuffled pages of a pool with spare pages:
-    (pages, page_indptr, page_values, last page's length)."""
-    used = -(-context // PAGE)
-    pages = rng.standard_normal((used + 4, 2, h_kv, PAGE, d)).astype(np.float32)
+def page_pool(rng: np.random.Generator, keys: int, h_kv: int, d: int) -> list[np.ndarray]:
+    """One sequence's ``keys`` keys and values on shuffled pages of a one-layer pool with spare
+    pages: (pages, page_indptr, page_values)."""
+    used = -(-keys // PAGE)
+    pages = rng.standard_normal((1, used + 4, 2, h_kv, PAGE * d)).astype(np.float32)
     values = rng.permutation(used + 4)[:used].astype(np.int32)
-    last = context - (used - 1) * PAGE
-    return [pages, np.array([0, used], np.int32), values, np.array([last], np.int32)]
+    return [pages, np.array([0, used], np.int32), values]
 
 
-def call_arguments(rows: int, h_q: int, d: int, pool: list, rng) -> tuple[list, object]:
-    """The kernel's arguments, decode's for one row, the paged prefill's (not causal) else,
-    and the output tensor among them."""
+def call_arguments(rows: int, context: int, h_q: int, d: int, pool: list, rng) -> tuple:
+    """The kernel's arguments for ``rows`` rows at positions ``context`` on, and the output
+    tensor among them."""
     import tvm
 
     q = rng.standard_normal((rows, h_q, d)).astype(np.float32)
-    zeros = np.zeros(rows, np.int32)
-    out, lse = (tvm.runtime.tensor(a) for a in (np.zeros_like(q), np.zeros((rows, h_q), "f4")))
-    if rows == 1:
-        arrays, scalars = [q, *pool, zeros, zeros], [0, 1.0, 1e4, 0.1]
-    else:
-        q_indptr = np.array([0, rows], np.int32)
-        arrays = [q, q_indptr, *pool, np.zeros(1, np.int32), zeros]
-        scalars = [0, 0, 1.0, 1e4, 0.1]
-    return [*(tvm.runtime.tensor(a) for a in arrays), out, lse, *scalars], out
+    pages, page_indptr, page_values = pool
+    positions = np.arange(context, context + rows, dtype=np.int32)
+    arrays = [q, pages, np.array([0, rows], np.int32), page_indptr, page_values, positions]
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    return [*(tvm.runtime.tensor(a) for a in arrays), 0, out], out
 
 
 def time_calls(kernel, arguments: list) -> float:
@@ -74,15 +69,11 @@ def time_calls(kernel, arguments: list) -> float:
     return (time.perf_counter() - start) / CALLS
 
 
-def build(module, target, shape: tuple[int, int, int], rows: int):
+def build(module, target, shape: tuple[int, int, int]):
     import tvm
 
-    if rows == 1:
-        return tvm.compile(module.attention_decode(*shape, "float32"), target=target)
-    # the paged kernel of a version with query vectors in lanes takes the CPU's lane count
-    lanes = {"lanes": module.float_lanes(target)} if hasattr(module, "float_lanes") else {}
-    kernel = module.attention_prefill_paged(*shape, "float32", **lanes)
-    return tvm.compile(kernel, target=target)
+    kernel = module.paged_attention(*shape, "float32").with_attr("global_symbol", "main")
+    return tvm.compile(tvm.IRModule({"main": kernel}), target=target)
 
 
 def main() -> None:
@@ -110,10 +101,10 @@ def main() -> None:
     ]
     for name in shapes:
         shape = HEADS[name]
-        pool = page_pool(rng, args.context, shape[0], shape[2])
+        kernels = {v: build(m, target, shape) for v, m in versions.items()}
         for rows in (int(r) for r in args.rows.split(",")):
-            arguments, out = call_arguments(rows, shape[1], shape[2], pool, rng)
-            kernels = {v: build(m, target, shape, rows) for v, m in versions.items()}
+            pool = page_pool(rng, args.context + rows, shape[0], shape[2])
+            arguments, out = call_arguments(rows, args.context, shape[1], shape[2], pool, rng)
             outputs = []
             for kernel in kernels.values():
                 kernel(*arguments)
@@ -137,8 +128,8 @@ def main() -> None:
             *machine_context(load, software, f"{args.threads} threads"),
             f"- A: `{ATTENTION}` at `{args.against}` (`{against}`); B: this tree (HEAD "
             f"`{short_commit('HEAD')}`)",
-            f"- One sequence with {args.context} keys in the pages; 1 row: the decode kernel, "
-            "more: the paged prefill kernel (prefix attention of a verify step). Medians of "
+            f"- One sequence with {args.context} keys before the new rows (1 row: a decode step, "
+            "more: a verify block), pages in cache. Medians of "
             f"{args.rounds} rounds of {CALLS} calls, the versions taking turns to go first (one "
             "warm-up round dropped)",
             "",

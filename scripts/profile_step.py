@@ -4,9 +4,9 @@ TVM 0.27's VM has no profiler, so every call instruction of ``prefill``, ``decod
 (``--verify K``) ``evaluate_multi_query`` of K tokens is timed through
 ``VirtualMachine.set_instrument`` and booked to a category by its symbol: matmuls (with int8
 activations: their activation quantization apart), the LM head, attention (the KV cache's
-builtin: RoPE, append, attention kernels), norms, other elementwise kernels, VM builtins
+kernels: RoPE, append, attention), norms, other elementwise kernels, VM builtins
 (allocation, shape checks). The host side of a call (token tensors,
-``begin_forward``/``end_forward``, the VM call itself, greedy sampling) is timed without the
+the KV cache's page tables, the VM call itself, greedy sampling) is timed without the
 instrument, and the difference between the un-instrumented call and the sum of its kernels is
 the VM's own dispatch. Each kernel's time includes its thread-pool launch; run with
 ``--threads 1`` beside the default to see which kernels gain nothing from a second thread.
@@ -33,6 +33,8 @@ MODELS = {"smollm2": "smollm2-135m-instruct", "qwen1.5b": "qwen2.5-coder-1.5b-in
 # Symbol substring -> category, first match wins.
 CATEGORIES = (
     ("attention", "attention"),
+    ("rope_split", "attention"),
+    ("kv_append", "attention"),
     ("argmax", "sampling"),
     ("quantize_x", "int8 activations: quantize"),
     ("lm_head", "LM head"),
@@ -101,10 +103,10 @@ class Step:
 
     def run(self, name: str, inputs: list, length: int):
         """What ``Model._run`` does plus greedy sampling, each part timed on its own."""
-        m, kv = self.model, self.kv
-        self._timed("begin_forward", lambda: kv.begin_forward([0], [length]))
-        out = self._timed("VM call", lambda: m._fn[name](*inputs, kv.handle, m.params))
-        self._timed("end_forward", kv.end_forward)
+        m, forward = self.model, self.kv.forward([0], [length])
+        kv = self._timed("KV cache: page tables", forward.__enter__)
+        out = self._timed("VM call", lambda: m._fn[name](*inputs, kv, m.params))
+        self._timed("KV cache: lengths", lambda: forward.__exit__(None, None, None))
         logits = self._timed("logits view", lambda: self.rows.matrix(out[0]))
         return self._timed("sampling (argmax)", lambda: m.sampler.argmax(logits))
 
