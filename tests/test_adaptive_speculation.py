@@ -54,24 +54,25 @@ def reference(tiny_llama) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_greedy_is_identical_under_random_k(tiny_llama, tiny_llama_draft, reference, method):
-    llm = _llm(tiny_llama, method, tiny_llama_draft)
+def test_greedy_is_identical_under_random_k(target, tiny_llama_draft, method):
+    reference = _ids(LLM(target.artifact).generate(_prompts(), GREEDY))
+    llm = _llm(target, method, tiny_llama_draft)
     llm.engine.policy = RandomK(seed=0)
     assert _ids(llm.generate(_prompts(), GREEDY)) == reference
     chosen = llm.metrics()["speculation"]["sequence_steps_by_k"]
     # Many k ran: all of 0..6 with the draft model; prompt lookup is planned with what it found.
     assert len(chosen) >= {"draft": 7, "ngram": 4}[method]
-    assert chosen[0] > 0 and min(chosen[1:]) > 0
+    assert chosen[0] > 0 and (min(chosen[1:]) > 0 if method == "draft" else sum(chosen[1:]) > 0)
     assert llm.metrics()["num_draft_tokens"] > 0
     _no_leak(llm)
 
 
-def test_random_k_with_preemption(tiny_llama, tiny_llama_draft):
+def test_random_k_with_preemption(target, tiny_llama_draft):
     """The draft catches up after a sequence skipped speculation or was preempted."""
     prompts = [list(np.random.default_rng(i).integers(3, VOCAB, 20 + 7 * i)) for i in range(5)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    expected = _ids(LLM(tiny_llama.artifact).generate(prompts, params))
-    llm = _llm(tiny_llama, "draft", tiny_llama_draft, max_total_len=192)
+    expected = _ids(LLM(target.artifact).generate(prompts, params))
+    llm = _llm(target, "draft", tiny_llama_draft, max_total_len=192)
     llm.engine.policy = RandomK(seed=1)
     assert _ids(llm.generate(prompts, params)) == expected
     assert llm.engine.num_preemptions > 0

@@ -63,20 +63,33 @@ def _run(llm: LLM, prompts, params=GREEDY) -> list[tuple]:
 )
 def test_greedy_output_and_acceptance_are_identical(tiny_llama, tiny_llama_draft, method, k):
     sync, on = _pair(method, k, tiny_llama, tiny_llama_draft)
+    _check_identical(sync, on, method)
+
+
+@pytest.mark.parametrize(("method", "k"), [("ngram", 2), ("draft", 4)])
+def test_int8_greedy_output_and_acceptance_are_identical(
+    tiny_llama_q4_int8, tiny_llama_draft, method, k
+):
+    sync, on = _pair(method, k, tiny_llama_q4_int8, tiny_llama_draft)
+    _check_identical(sync, on, method)
+
+
+def _check_identical(sync: LLM, on: LLM, method: str) -> None:
     expected = _run(sync, _prompts())
     assert _run(on, _prompts()) == expected
     if method != "none":
         assert sum(r[4] for r in expected) > 0  # drafts were made and verified
 
 
-def test_chunked_prefill_and_preemption(tiny_llama, tiny_llama_draft):
+def test_chunked_prefill_and_preemption(target, tiny_llama_draft):
     """Prompts cut into 32-token passes, and a cache so small that requests are preempted
-    and recomputed; the number of preemptions may differ, the outputs may not."""
+    and recomputed; the number of preemptions may differ, the outputs may not, and they are
+    plain greedy decoding's."""
     prompts = _prompts(1) + [list(np.random.default_rng(2).integers(3, VOCAB, 70))]
     sync, on = _pair(
         "draft",
         3,
-        tiny_llama,
+        target,
         tiny_llama_draft,
         max_batch_size=4,
         max_total_len=224,
@@ -85,6 +98,8 @@ def test_chunked_prefill_and_preemption(tiny_llama, tiny_llama_draft):
     expected = _run(sync, prompts)
     assert [r[:3] for r in _run(on, prompts)] == [r[:3] for r in expected]
     assert sync.engine.num_preemptions > 0 and on.engine.num_preemptions > 0
+    plain = LLM(target.artifact).generate(prompts, GREEDY)
+    assert [r[0] for r in expected] == [o.outputs[0].token_ids for o in plain]
 
 
 @pytest.mark.parametrize("method", ["none", "ngram"])

@@ -7,11 +7,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from mlc_spec.cli import main
-from mlc_spec.runtime.artifact import CONFIG_FILE, ArtifactError, missing_cpu_features
+from mlc_spec.cli import build_parser, main
+from mlc_spec.compiler.options import CompileOptions
+from mlc_spec.compiler.targets import ATTENTION, TARGETS
+from mlc_spec.runtime.artifact import ACTIVATIONS, CONFIG_FILE, ArtifactError, missing_cpu_features
 from mlc_spec.runtime.model import Model
 
 
@@ -65,28 +68,6 @@ def test_damaged_source_is_rejected(case, checkpoint, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no partial artifact
 
 
-def test_unknown_target(checkpoint, tmp_path, capsys):
-    code, message = _compile(
-        capsys, str(checkpoint), "--target", "metal", "-o", str(tmp_path / "out")
-    )
-    assert code != 0 and "unknown target 'metal'" in message
-    assert not (tmp_path / "out").exists()
-
-
-def test_wrong_dtype_for_target(checkpoint, tmp_path, capsys):
-    code, message = _compile(
-        capsys,
-        str(checkpoint),
-        "--target",
-        "llvm",
-        "--dtype",
-        "float16",
-        "-o",
-        str(tmp_path / "out"),
-    )
-    assert code != 0 and "not supported on llvm" in message
-
-
 def test_existing_output_is_left_alone(checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -122,33 +103,150 @@ def test_missing_model_path_from_the_shell(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    ("flags", "expected"),
-    [
-        (["--cpu", "pentium-9000"], "unknown CPU 'pentium-9000'"),
-        (["--quantization", "q3"], "unknown quantization 'q3'"),
-        (["--activations", "int4"], "unknown activations 'int4'; choose one of float, int8"),
-        (["--activations", "int8"], "--activations int8 applies to quantized weights"),
-        (
-            ["--activations", "int8", "--quantization", "q4", "--cpu", "x86-64"],
-            "needs a CPU with AVX2 or newer",
-        ),
-    ],
-)
-def test_bad_cpu_quantization_or_activations(checkpoint, tmp_path, capsys, flags, expected):
-    out = tmp_path / "out"
-    code, message = _compile(capsys, str(checkpoint), "--target", "llvm", *flags, "-o", str(out))
-    assert code == 1 and expected in message, message
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+# Flags refused before the model is read, each with the one line that refuses it.
+REFUSED_BEFORE_READING = {
+    "unknown target": ("metal", [], "unknown target 'metal'; choose one of llvm, cuda"),
+    "unknown CPU": (
+        "llvm",
+        ["--cpu", "pentium-9000"],
+        "unknown CPU 'pentium-9000' (e.g. native, x86-64-v3, x86-64-v4)",
+    ),
+    "unknown quantization": (
+        "llvm",
+        ["--quantization", "q3"],
+        "unknown quantization 'q3'; choose one of as-source, q4, q8, none",
+    ),
+    "unknown LM head quantization": (
+        "cuda",
+        ["--lm-head-quantization", "q2"],
+        "unknown LM head quantization 'q2'; choose one of q4, q8",
+    ),
+    "unknown activations": (
+        "llvm",
+        ["--activations", "int4"],
+        "unknown activations 'int4'; choose one of float, int8",
+    ),
+    "unknown dtype": (
+        "cuda",
+        ["--dtype", "float8"],
+        "dtype 'float8' is not supported on cuda; choose float16 or bfloat16 or float32",
+    ),
+    "int8 on a CPU without AVX2": (
+        "llvm",
+        ["--activations", "int8", "--cpu", "x86-64"],
+        "--activations int8 needs a CPU with AVX2 or newer (see --cpu)",
+    ),
+    # Flags that do not apply to the target: refused, never silently ignored.
+    "cpu for cuda": (
+        "cuda",
+        ["--cpu", "native"],
+        "--cpu is built for --target llvm only, not cuda",
+    ),
+    "int8 activations for cuda": (
+        "cuda",
+        ["--activations", "int8"],
+        "--activations int8 is built for --target llvm only, not cuda",
+    ),
+    "cut head for cuda": (
+        "cuda",
+        ["--lm-head-vocab", "8"],
+        "--lm-head-vocab is built for --target llvm only, not cuda",
+    ),
+    "cuda arch for llvm": (
+        "llvm",
+        ["--cuda-arch", "sm_80"],
+        "--cuda-arch is built for --target cuda only, not llvm",
+    ),
+    "flashinfer for llvm": (
+        "llvm",
+        ["--attention", "flashinfer"],
+        "attention 'flashinfer' is not supported on llvm; choose cpu",
+    ),
+    "tir for llvm": (
+        "llvm",
+        ["--attention", "tir"],
+        "attention 'tir' is not supported on llvm; choose cpu",
+    ),
+    "cpu attention for cuda": (
+        "cuda",
+        ["--attention", "cpu"],
+        "attention 'cpu' is not supported on cuda; choose flashinfer or tir",
+    ),
+    "float16 for llvm": (
+        "llvm",
+        ["--dtype", "float16"],
+        "dtype 'float16' is not supported on llvm; choose float32",
+    ),
+    "bfloat16 for llvm": (
+        "llvm",
+        ["--dtype", "bfloat16"],
+        "dtype 'bfloat16' is not supported on llvm; choose float32",
+    ),
+}
 
 
-def test_int8_activations_need_llvm(checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("case", REFUSED_BEFORE_READING)
+def test_flag_is_refused_before_the_model_is_read(case, tmp_path, capsys):
+    """The model path does not exist: had the model been read first, that would be the error.
+    Nothing is written beside the output either."""
+    target, flags, expected = REFUSED_BEFORE_READING[case]
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    args = [str(tmp_path / "no-model"), "--target", target, *flags, "-o", str(outputs / "out")]
+    assert main(["compile", *args]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"mlc-spec compile: error: {expected}"]
+    assert list(outputs.iterdir()) == []
+
+
+def test_int8_activations_without_quantized_weights(checkpoint, tmp_path, capsys):
+    """Known only once the weights are planned: still before anything is written."""
     out = tmp_path / "out"
     code, message = _compile(
-        capsys, str(checkpoint), "--target", "cuda", "--activations", "int8", "-o", str(out)
+        capsys, str(checkpoint), "--target", "llvm", "--activations", "int8", "-o", str(out)
     )
-    assert code == 1 and "--activations int8 applies to --target llvm only" in message, message
+    assert code == 1
+    assert message.endswith(
+        "--activations int8 applies to quantized weights; --quantization none leaves this model "
+        "with none"
+    ), message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_validate_fills_in_the_targets_defaults():
+    assert CompileOptions().validate("llvm") == CompileOptions(
+        dtype="float32", cpu="native", attention="cpu"
+    )
+    assert CompileOptions().validate("cuda") == CompileOptions(
+        dtype="float16", cuda_arch="sm_90", attention="flashinfer"
+    )
+    given = CompileOptions(
+        dtype="bfloat16", cuda_arch="sm_80", attention="tir", quantization="q4", lm_head="q8"
+    )
+    assert given.validate("cuda") == given
+
+
+def test_source_defaults_fill_only_what_was_not_given():
+    hf, gguf = SimpleNamespace(stored_formats={}), SimpleNamespace(stored_formats={"w": None})
+    options = CompileOptions().validate("llvm")
+    target = options.tvm_target("llvm")
+    filled = options.with_source_defaults(hf, target)
+    assert filled.quantization == "none" and filled.activations in ACTIVATIONS
+    assert options.with_source_defaults(gguf, target).quantization == "as-source"
+    given = CompileOptions(quantization="q8", activations="int8").validate("llvm")
+    assert given.with_source_defaults(hf, target) == given
+
+
+@pytest.mark.parametrize("attention", sorted({a for t in TARGETS for a in ATTENTION[t]}))
+def test_every_targets_attention_is_a_choice(attention):
+    args = ["compile", "m", "--target", "llvm", "-o", "o", "--attention", attention]
+    assert build_parser().parse_args(args).attention == attention
+
+
+def test_the_command_line_loads_no_tvm_for_its_choices():
+    """``generate`` and ``serve`` parse the same command line on TVM's runtime alone."""
+    script = "import sys, mlc_spec.cli as c; c.build_parser(); print('tvm' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr
 
 
 def test_artifact_for_a_cpu_without_its_vector_extensions_is_refused(tiny_llama, tmp_path):

@@ -18,6 +18,7 @@ from tiny_models import make_tiny_model, save_tiny_checkpoint, tiny_config
 from mlc_spec.cli import main
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.runtime.artifact import CONFIG_FILE, LIBRARY_FILE, SAMPLER_FUNCTIONS, ArtifactError
 from mlc_spec.runtime.model import Model
 
@@ -62,10 +63,8 @@ def test_tiny_model_cross_compiles_with_tir_attention(tiny_llama, tmp_path, dtyp
         tiny_llama.checkpoint,
         "cuda",
         tmp_path / "cuda",
-        dtype=dtype,
+        CompileOptions(dtype=dtype, attention="tir", quantization=quantization),
         show_progress=False,
-        attention="tir",
-        quantization=quantization,
     )
     _check_artifact(out, dtype, "tir")
     formats = {p["format"] for p in json.loads((out / CONFIG_FILE).read_text())["params"]}
@@ -139,7 +138,11 @@ def test_tiny_model_cross_compiles_with_flashinfer_attention(tiny_flashinfer):
 @pytest.mark.heavy  # ~5 min each; the tiny models cover both attention kernels by default
 def test_smollm2_cross_compiles_with_tir_attention(smollm2_gguf, tmp_path):
     out = compile_model(
-        smollm2_gguf, "cuda", tmp_path / "cuda", show_progress=False, attention="tir"
+        smollm2_gguf,
+        "cuda",
+        tmp_path / "cuda",
+        CompileOptions(attention="tir"),
+        show_progress=False,
     )
     _check_artifact(out, "float16", "tir")
 

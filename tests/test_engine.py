@@ -46,17 +46,18 @@ def test_bonus_token_and_draft_backfill(tiny_llama):
     _no_leak(llm)
 
 
-def test_preemption_restores_the_same_output(tiny_llama, tiny_llama_draft):
+def test_preemption_restores_the_same_output(target, tiny_llama_draft):
     """A cache too small for the batch forces preemption and recomputation; greedy and seeded
-    sampled outputs equal those from a cache that never preempts."""
+    sampled outputs equal those from a cache that never preempts (a restored sequence's K/V are
+    recomputed bit for bit, float or int8)."""
     prompts = [list(np.random.default_rng(i).integers(3, VOCAB, 20 + 7 * i)) for i in range(5)]
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 3 + [
         SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(2)
     ]
     spec = {"method": "draft", "num_speculative_tokens": 3}
     draft = tiny_llama_draft.artifact
-    big = LLM(tiny_llama.artifact, draft_model=draft, speculative=spec)
-    small = LLM(tiny_llama.artifact, draft_model=draft, speculative=spec, max_total_len=192)
+    big = LLM(target.artifact, draft_model=draft, speculative=spec)
+    small = LLM(target.artifact, draft_model=draft, speculative=spec, max_total_len=192)
     assert _ids(small.generate(prompts, params)) == _ids(big.generate(prompts, params))
     assert small.engine.num_preemptions > 0 and big.engine.num_preemptions == 0
     _no_leak(small)

@@ -13,6 +13,7 @@ from tiny_models import VOCAB
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.runtime.artifact import read_config
 from mlc_spec.runtime.model import Model
 
@@ -43,9 +44,8 @@ def test_head_scores_the_first_ids_as_the_whole_model(request, tmp_path, fixture
         tiny.checkpoint,
         "llvm",
         tmp_path / "trimmed",
+        CompileOptions(quantization=quantization, lm_head_vocab=ROWS),
         show_progress=False,
-        quantization=quantization,
-        lm_head_vocab=ROWS,
     )
     tokens = list(np.random.default_rng(0).integers(0, VOCAB, 20))
     _assert_trimmed(_logits(tiny.artifact, tokens), _logits(trimmed, tokens))
@@ -55,7 +55,9 @@ def test_head_scores_the_first_ids_as_the_whole_model(request, tmp_path, fixture
 def test_head_cut_from_a_gguf_as_stored(tmp_path):
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "llama")
     full, trimmed = (
-        compile_model(path, "llvm", tmp_path / name, show_progress=False, lm_head_vocab=rows)
+        compile_model(
+            path, "llvm", tmp_path / name, CompileOptions(lm_head_vocab=rows), show_progress=False
+        )
         for name, rows in (("full", None), ("trimmed", ROWS))
     )
     tokens = list(np.random.default_rng(1).integers(0, VOCAB, 12))
@@ -64,8 +66,8 @@ def test_head_cut_from_a_gguf_as_stored(tmp_path):
 
 def test_trimmed_draft_is_lossless(tiny_llama, tiny_llama_draft, tmp_path):
     draft = compile_model(
-        tiny_llama_draft.checkpoint, "llvm", tmp_path / "draft", show_progress=False,
-        lm_head_vocab=ROWS,
+        tiny_llama_draft.checkpoint, "llvm", tmp_path / "draft", CompileOptions(lm_head_vocab=ROWS),
+        show_progress=False,
     )  # fmt: skip
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(0, VOCAB, n)) for n in (4, 11, 30)]
@@ -85,8 +87,8 @@ def test_trimmed_draft_is_lossless(tiny_llama, tiny_llama_draft, tmp_path):
 def test_a_head_of_no_ids_or_all_ids_is_refused(tiny_llama, tmp_path, rows):
     with pytest.raises(CompileError, match=f"--lm-head-vocab must be between 1 and {VOCAB - 1}"):
         compile_model(
-            tiny_llama.checkpoint, "llvm", tmp_path / "out", show_progress=False,
-            lm_head_vocab=rows,
+            tiny_llama.checkpoint, "llvm", tmp_path / "out", CompileOptions(lm_head_vocab=rows),
+            show_progress=False,
         )  # fmt: skip
     assert not any(tmp_path.iterdir())
 
@@ -94,7 +96,7 @@ def test_a_head_of_no_ids_or_all_ids_is_refused(tiny_llama, tmp_path, rows):
 def test_a_cut_head_is_refused_for_cuda(tiny_llama, tmp_path):
     with pytest.raises(CompileError, match="--lm-head-vocab is built for --target llvm only"):
         compile_model(
-            tiny_llama.checkpoint, "cuda", tmp_path / "out", show_progress=False,
-            lm_head_vocab=ROWS,
+            tiny_llama.checkpoint, "cuda", tmp_path / "out", CompileOptions(lm_head_vocab=ROWS),
+            show_progress=False,
         )  # fmt: skip
     assert not any(tmp_path.iterdir())

@@ -15,6 +15,7 @@ from tiny_models import fake_quantize_activations, tiny_config
 from mlc_spec.compiler import compile as compile_module
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.compiler.quantization import (
     GroupFormat,
     dequantize,
@@ -73,7 +74,7 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
     path = write_mixed_gguf(tmp_path / "tiny.gguf", arch)
     lm_head = "q4" if arch == "llama" else None
     artifact = compile_model(
-        path, "llvm", tmp_path / "artifact", show_progress=False, lm_head=lm_head
+        path, "llvm", tmp_path / "artifact", CompileOptions(lm_head=lm_head), show_progress=False
     )
     assert read_config(artifact)["quantization"] == "as-source"
     formats = _stored_formats(artifact)
@@ -126,7 +127,7 @@ def test_gguf_int8_formats_equal_portable(tiny_gguf_int8, tmp_path, monkeypatch)
 
     monkeypatch.setattr(compile_module, "plan_quantization", portable)
     widened = compile_model(
-        path, "llvm", tmp_path / "portable", show_progress=False, activations="int8"
+        path, "llvm", tmp_path / "portable", CompileOptions(activations="int8"), show_progress=False
     )
     stored = set(_stored_formats(widened).values())
     assert {"q4g32a", "q8g16", "q8g32"} <= stored
@@ -143,7 +144,11 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     override = {"model.embed_tokens.weight": T.Q6_K}
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "qwen2", override)
     artifact = compile_model(
-        path, "llvm", tmp_path / "artifact", show_progress=False, activations="int8", num_layers=1
+        path,
+        "llvm",
+        tmp_path / "artifact",
+        CompileOptions(activations="int8", num_layers=1),
+        show_progress=False,
     )
     formats = _stored_formats(artifact)
     assert formats["model.embed_tokens.weight"] == "q6g16s256"
@@ -227,7 +232,7 @@ def test_gguf_q4_requantizes_wider_tensors_and_matches_transformers(tmp_path):
     same logits."""
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "llama")
     artifact = compile_model(
-        path, "llvm", tmp_path / "artifact", show_progress=False, quantization="q4"
+        path, "llvm", tmp_path / "artifact", CompileOptions(quantization="q4"), show_progress=False
     )
     assert read_config(artifact)["quantization"] == "q4"
     formats = _stored_formats(artifact)
@@ -290,7 +295,7 @@ def _our_logits(artifact, seq: np.ndarray) -> np.ndarray:
 def _refused(tmp_path, path, *fragments: str, **kwargs) -> None:
     out = tmp_path / "refused"
     with pytest.raises(CompileError) as info:
-        compile_model(path, "llvm", out, show_progress=False, **kwargs)
+        compile_model(path, "llvm", out, CompileOptions(**kwargs), show_progress=False)
     message = str(info.value)
     assert "\n" not in message
     for fragment in fragments:

@@ -17,7 +17,7 @@ from mlc_spec.runtime.artifact import read_config
 
 pytestmark = pytest.mark.qwen
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "prepare_qwen_pair.py"
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 # HumanEval-style: a signature and a docstring with doctests, completed as raw text.
 PROMPTS = [
     'def is_palindrome(text: str) -> bool:\n    """ Return True if text reads the same '
@@ -31,13 +31,17 @@ PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=False)
 SIZE = {"max_batch_size": 1, "max_total_len": 4096}
 
 
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 @pytest.fixture(scope="module")
 def qwen_pair() -> tuple[Path, Path]:
     """(draft, target) artifacts, compiled on first use by the same code as the script."""
-    spec = importlib.util.spec_from_file_location("prepare_qwen_pair", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.prepare_pair(show_progress=False)
+    return _script("prepare_qwen_pair").prepare_pair(show_progress=False)
 
 
 def _speculate(target: Path, draft: Path) -> tuple[list[list[int]], float]:
@@ -72,3 +76,24 @@ def test_four_bit_draft_is_lossless_and_keeps_its_acceptance(qwen_pair):
     outputs, acceptance = _speculate(target, draft)
     assert outputs == _plain(target)
     assert acceptance >= 0.85 * _speculate(target, shipped)[1]
+
+
+def test_int8_pair_is_lossless_for_every_k(qwen_pair):
+    """The int8-activation pair on 10 HumanEval prompts x 128 tokens: greedy speculation with
+    k = 1..8 and automatic k gives exactly the target's plain decoding, every token of every
+    output (verified rows are the decoded rows bit for bit)."""
+    target = compiled("qwen2.5-coder-1.5b-instruct", activations="int8", show_progress=False)
+    draft = compiled("qwen2.5-coder-0.5b-instruct", activations="int8", show_progress=False)
+    prompts = _script("workloads").humaneval_prompts(10)
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+
+    def outputs(**engine) -> list[list[int]]:
+        llm = LLM(target, max_total_len=8192, **engine)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+        return outs
+
+    plain = outputs()
+    for k in [*range(1, 9), "auto"]:
+        spec = {"method": "draft", "num_speculative_tokens": k, "max_speculative_tokens": 8}
+        assert outputs(draft_model=draft, speculative=spec) == plain, k

@@ -37,3 +37,14 @@ def test_speculation_is_lossless(smollm2, smollm2_first_layers, reference, metho
     if method == "self":
         assert stats["acceptance_rate"] == 1.0
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
+@pytest.mark.parametrize(("method", "k"), [("ngram", 5), ("draft", 4)])
+def test_int8_speculation_is_lossless(smollm2_int8, smollm2_first_layers, method, k):
+    """With int8 activations too: the same engine's plain decoding, token for token."""
+    plain = [o.outputs[0].token_ids for o in LLM(smollm2_int8).generate(PROMPTS, PARAMS)]
+    draft = smollm2_first_layers if method == "draft" else None
+    spec = {"method": method, "num_speculative_tokens": k}
+    llm = LLM(smollm2_int8, draft_model=draft, speculative=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain
+    assert llm.metrics()["num_accepted_tokens"] > 0

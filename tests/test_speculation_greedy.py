@@ -1,5 +1,6 @@
 """Greedy losslessness: with any proposer and any k, speculative output equals target-only
-greedy output token for token, over a batch of mixed prompt lengths."""
+greedy output token for token, over a batch of mixed prompt lengths, for float and int8
+activations alike (``target``)."""
 
 from __future__ import annotations
 
@@ -24,51 +25,40 @@ def _token_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama) -> list[list[int]]:
-    return _token_ids(LLM(tiny_llama.artifact), _prompts())
+@pytest.fixture
+def reference(target) -> list[list[int]]:
+    return _token_ids(LLM(target.artifact), _prompts())
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_draft_model_is_lossless(tiny_llama, tiny_llama_draft, reference, k):
+def test_draft_model_is_lossless(target, tiny_llama_draft, reference, k):
     llm = LLM(
-        tiny_llama.artifact,
+        target.artifact,
         draft_model=tiny_llama_draft.artifact,
         speculative={"method": "draft", "num_speculative_tokens": k},
     )
     assert _token_ids(llm, _prompts()) == reference
     stats = llm.metrics()
-    # The noisy draft is right often but not always: both paths of the rule ran.
-    assert 0.2 < stats["acceptance_rate"] < 1.0, stats
+    # The noisy draft (of the float model) is right sometimes but not always: both paths of the
+    # rule ran.
+    assert 0 < stats["acceptance_rate"] < 1.0, stats
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_ngram_is_lossless(tiny_llama, reference, k):
-    llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": k})
+def test_ngram_is_lossless(target, reference, k):
+    llm = LLM(target.artifact, speculative={"method": "ngram", "num_speculative_tokens": k})
     assert _token_ids(llm, _prompts()) == reference
     assert llm.metrics()["num_draft_tokens"] > 0
 
 
-def test_draft_equal_to_target_accepts_everything(tiny_llama, reference):
+def test_draft_equal_to_target_accepts_everything(target, reference):
     llm = LLM(
-        tiny_llama.artifact,
-        draft_model=tiny_llama.artifact,
+        target.artifact,
+        draft_model=target.artifact,
         speculative={"method": "draft", "num_speculative_tokens": 4},
     )
     assert _token_ids(llm, _prompts()) == reference
     stats = llm.metrics()
     assert stats["acceptance_rate"] == 1.0
     assert stats["num_drafts"] > 0
-
-
-def test_int8_activations_are_lossless(tiny_llama_q4_int8, tiny_llama_draft):
-    """Against the same int8-activation artifact without speculation: verified rows are
-    computed as decoded ones are, so greedy tokens agree with a draft model and with n-grams."""
-    target = tiny_llama_q4_int8.artifact
-    reference = _token_ids(LLM(target), _prompts())
-    for method, draft in (("draft", tiny_llama_draft.artifact), ("ngram", None)):
-        spec = {"method": method, "num_speculative_tokens": 4}
-        llm = LLM(target, draft_model=draft, speculative=spec)
-        assert _token_ids(llm, _prompts()) == reference, method
-        assert llm.metrics()["num_accepted_tokens"] > 0, method

@@ -18,6 +18,7 @@ from tiny_models import perturbed_copy
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.compiler.compile import compile_model
+from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.runtime.sampler import Sampler
 
 V = SMALL_VOCAB
@@ -126,7 +127,11 @@ def test_a_draft_scoring_only_some_ids_keeps_the_target_distribution(pair, tmp_p
     target, draft = pair
     root = tmp_path_factory.mktemp("v8_draft_5_ids")
     trimmed = compile_model(
-        draft.checkpoint, "llvm", root / "artifact", show_progress=False, lm_head_vocab=5
+        draft.checkpoint,
+        "llvm",
+        root / "artifact",
+        CompileOptions(lm_head_vocab=5),
+        show_progress=False,
     )
     llm = _llm((target, SimpleNamespace(artifact=trimmed)), "draft")
     counts = sample_counts(llm, PARAMS["temperature 1"])

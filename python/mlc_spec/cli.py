@@ -1,8 +1,8 @@
 """``mlc-spec`` command line: compile, fetch, generate, serve, bench serve.
 
 Errors meant for the user (bad input) are printed as one line with a non-zero exit; the
-compiler is imported only by the commands that need it, so ``generate``/``serve`` run where
-only TVM's runtime is installed.
+compiler is imported only by the commands that need it (its table of targets, read for the
+choices, loads no TVM), so ``generate``/``serve`` run where only TVM's runtime is installed.
 """
 
 from __future__ import annotations
@@ -10,26 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
+
+from mlc_spec.compiler.targets import ATTENTION
 
 
 def _compile(args: argparse.Namespace) -> None:
     from mlc_spec.compiler.compile import compile_model
+    from mlc_spec.compiler.options import CompileOptions
 
-    compile_model(
-        args.model,
-        args.target,
-        args.output,
-        args.dtype,
-        args.cuda_arch,
-        num_layers=args.num_layers,
-        attention=args.attention,
-        quantization=args.quantization,
-        cpu=args.cpu,
-        activations=args.activations,
-        lm_head=args.lm_head_quantization,
-        lm_head_vocab=args.lm_head_vocab,
-    )
+    options = CompileOptions(**{f.name: getattr(args, f.name) for f in fields(CompileOptions)})
+    compile_model(args.model, args.target, args.output, options)
 
 
 def _fetch(args: argparse.Namespace) -> None:
@@ -144,27 +136,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlc-spec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # Options left out stay None (the target's or the model's default): CompileOptions, whose
+    # fields these flags' destinations are, refuses one given for a target it does not apply to.
     p = sub.add_parser("compile", help="compile a Hugging Face directory or GGUF file")
     p.add_argument("model", help="Hugging Face model directory or .gguf file")
     p.add_argument("--target", required=True, help="llvm (CPU) or cuda")
-    p.add_argument("--dtype", default=None, help="float32 (llvm), float16/bfloat16 (cuda)")
-    p.add_argument("--cuda-arch", default="sm_90", help="GPU architecture for --target cuda")
+    p.add_argument(
+        "--dtype", help="float32 (llvm), float16 (cuda default), bfloat16 or float32 (cuda)"
+    )
+    p.add_argument("--cuda-arch", help="cuda: the GPU architecture to build for (default sm_90)")
     p.add_argument(
         "--attention",
-        choices=["flashinfer", "tir"],
-        default=None,
-        help="KV-cache attention kernels: flashinfer (default for cuda) or TVM's tir (llvm)",
+        choices=list(dict.fromkeys(a for kernels in ATTENTION.values() for a in kernels)),
+        help="KV-cache attention kernels: cpu (llvm: this package's), flashinfer (cuda "
+        "default) or tir (cuda: TVM's)",
     )
     p.add_argument(
         "--quantization",
-        default=None,
         help="as-source (default for GGUF: keep each tensor's 4/8-bit quantization as shipped), "
         "q4 / q8 (at most 4 / 8 bits: group-quantize float weights and any tensor the file "
         "stores wider, e.g. a draft's Q5_0 or Q6_K ones), none (float; default for Hugging Face)",
     )
     p.add_argument(
         "--lm-head-quantization",
-        default=None,
+        dest="lm_head",
+        metavar="LM_HEAD_QUANTIZATION",
         help="q4 / q8: group-quantize the LM head anew (the embedding table where they are tied), "
         "whatever the source stores; for a draft model, whose head is a large part of each step "
         "(lossy for that model only: the target verifies every draft token)",
@@ -172,29 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lm-head-vocab",
         type=int,
-        default=None,
         metavar="N",
-        help="score only the first N token ids (the rest get -inf logits): for a draft model, "
-        "whose head is a large part of each step and whose rare tokens' ids are high "
+        help="llvm: score only the first N token ids (the rest get -inf logits): for a draft "
+        "model, whose head is a large part of each step and whose rare tokens' ids are high "
         "(speculation stays lossless: the target verifies every draft token)",
     )
     p.add_argument(
         "--activations",
-        default="float",
         help="float (default) or int8: llvm, quantized weights: quantize each activation row "
         "per group to int8 for integer dot products (faster verification, not bit-parity "
         "with transformers)",
     )
     p.add_argument(
         "--cpu",
-        default="native",
         help="llvm: the CPU to build for, native (default) or e.g. x86-64-v3 (portable AVX2)",
     )
     p.add_argument("-o", "--output", required=True, help="artifact directory (must not exist)")
     p.add_argument(
         "--num-layers",
         type=int,
-        default=None,
         help="keep only the first N layers: a self-draft for layer-skip speculation",
     )
     p.set_defaults(run=_compile)

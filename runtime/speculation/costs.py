@@ -1,9 +1,11 @@
 """Step-time models measured in this process, never assumed.
 
-A CPU forward pass costs a step function of its token count (the matmul picks row tiles of 1, 2,
-3 or 6, then a packed GEMM), so every size keeps a measured running mean of its own rather than a
-fitted line. Tables start from a warm-up at load time and follow every real step after that, so
-they track the load of the machine.
+A CPU forward pass costs a step function of its token count: the matmul kernels pick a row tile
+by size (float weights: ``M_TILES`` in ``compiler/cpu_matmul.py``, then a packed GEMM; int8
+activations: a tile per row count up to ``IntegerDot.max_rows`` in ``compiler/int8_matmul.py``),
+so every size keeps a measured running mean of its own rather than a fitted line. Tables start
+from a warm-up at load time and follow every real step after that, so they track the load of the
+machine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""What ``mlc-spec compile`` builds besides the model, target and output path: one frozen
+object, checked in one place before the model is read, so that a bad or inapplicable flag is
+refused before anything is written and no option is silently ignored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from mlc_spec.runtime.artifact import ACTIVATIONS
+
+from .errors import CompileError
+from .int8_matmul import integer_dot
+from .quantization.plan import LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
+from .targets import (
+    ALLOWED_DTYPES,
+    ATTENTION,
+    DEFAULT_CPU,
+    DEFAULT_CUDA_ARCH,
+    DEFAULT_DTYPE,
+    TARGETS,
+    make_target,
+)
+
+if TYPE_CHECKING:
+    from tvm.target import Target
+
+    from .sources import ModelSource
+
+# Options that one target alone reads (field: flag, target): given for another, they would
+# change nothing, so they are refused rather than ignored.
+_ONE_TARGET = {
+    "cpu": ("--cpu", "llvm"),
+    "cuda_arch": ("--cuda-arch", "cuda"),
+    "lm_head_vocab": ("--lm-head-vocab", "llvm"),
+}
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The options of ``compile_model``; None is "not given": ``validate`` fills in the target's
+    defaults, ``with_source_defaults`` those that depend on the model.
+
+    ``dtype`` is the model's float type; ``cuda_arch`` the GPU (cuda) and ``cpu`` the CPU
+    (llvm: ``native`` or an LLVM name such as ``x86-64-v3``) built for; ``attention`` the KV
+    cache's kernels (``targets.ATTENTION``); ``quantization`` one of ``QUANTIZATIONS`` (default:
+    ``as-source`` for a GGUF file, whose quantized tensors are kept as shipped, ``none`` for a
+    Hugging Face directory); ``activations`` ``int8`` quantizes the activations of quantized
+    layers for integer dot products (``int8_matmul``; llvm only), ``float`` keeps them;
+    ``lm_head`` (``q4`` / ``q8``) group-quantizes the LM head anew and ``lm_head_vocab`` has it
+    score only the first token ids (llvm only), both for a draft; ``num_layers`` keeps only
+    the first layers (a self-draft for layer-skip speculation)."""
+
+    dtype: str | None = None
+    cuda_arch: str | None = None
+    cpu: str | None = None
+    attention: str | None = None
+    quantization: str | None = None
+    activations: str | None = None
+    lm_head: str | None = None
+    lm_head_vocab: int | None = None
+    num_layers: int | None = None
+
+    def validate(self, target: str) -> CompileOptions:
+        """These options with ``target``'s defaults filled in, or a one-line CompileError naming
+        the first flag that is unknown or does not apply to ``target``. Ranges that depend on
+        the model (``num_layers``, ``lm_head_vocab``) are checked once it is read."""
+        if target not in TARGETS:
+            raise CompileError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+        for field, (flag, only) in _ONE_TARGET.items():
+            if getattr(self, field) is not None and target != only:
+                raise CompileError(_not_for(flag, only, target))
+        if self.activations == "int8" and target != "llvm":
+            raise CompileError(_not_for("--activations int8", "llvm", target))
+        _check_known("quantization", self.quantization, QUANTIZATIONS)
+        _check_known("LM head quantization", self.lm_head, LM_HEAD_QUANTIZATIONS)
+        _check_known("activations", self.activations, ACTIVATIONS)
+        options = replace(
+            self,
+            dtype=self.dtype or DEFAULT_DTYPE[target],
+            attention=self.attention or ATTENTION[target][0],
+            cuda_arch=self.cuda_arch or (DEFAULT_CUDA_ARCH if target == "cuda" else None),
+            cpu=self.cpu or (DEFAULT_CPU if target == "llvm" else None),
+        )
+        _check_supported("dtype", options.dtype, ALLOWED_DTYPES[target], target)
+        _check_supported("attention", options.attention, ATTENTION[target], target)
+        tvm_target = options.tvm_target(target)  # refuses an unknown CPU
+        if options.activations == "int8":
+            integer_dot(tvm_target)  # refuses a CPU without AVX2
+        return options
+
+    def tvm_target(self, target: str) -> Target:
+        """TVM's target for ``target`` as options that ``validate`` returned build it."""
+        if target == "cuda":
+            return make_target(target, cuda_arch=self.cuda_arch)
+        return make_target(target, cpu=self.cpu)
+
+    def with_source_defaults(self, source: ModelSource, tvm_target: Target) -> CompileOptions:
+        """Validated options with the defaults that depend on the model filled in."""
+        options = replace(self, quantization=self.quantization or default_quantization(source))
+        activations = options.activations or default_activations(source, options, tvm_target)
+        return replace(options, activations=activations)
+
+
+def default_quantization(source: ModelSource) -> str:
+    """A file's quantized tensors as shipped (GGUF); float weights for a Hugging Face directory."""
+    return "as-source" if source.stored_formats else "none"
+
+
+def default_activations(source: ModelSource, options: CompileOptions, tvm_target: Target) -> str:
+    """The activations when ``--activations`` is not given (``options`` has its quantization
+    filled in): float, which every model and target supports."""
+    return "float"
+
+
+def _not_for(flag: str, only: str, target: str) -> str:
+    return f"{flag} is built for --target {only} only, not {target}"
+
+
+def _check_known(what: str, value: str | None, choices: tuple[str, ...]) -> None:
+    if value is not None and value not in choices:
+        raise CompileError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_supported(what: str, value: str, choices: tuple[str, ...], target: str) -> None:
+    if value not in choices:
+        raise CompileError(
+            f"{what} {value!r} is not supported on {target}; choose {' or '.join(choices)}"
+        )

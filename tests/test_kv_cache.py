@@ -1,0 +1,89 @@
+"""The CPU artifacts' page pool (``runtime/kv_cache.py``): the page tables a forward pass gets,
+pages shared copy-on-write between forked sequences, rollback and removal giving pages back,
+and a full pool refused with an error instead of an overwritten page."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from mlc_spec.runtime.kv_cache import KVCacheFull, PagePool
+
+PAGE = 16
+
+
+def _pool(num_pages: int = 8) -> PagePool:
+    pages = tvm.runtime.tensor(np.zeros((2, num_pages, 2, 1, PAGE * 4), np.float32))
+    return PagePool(pages, PAGE)
+
+
+def _tables(pool: PagePool, seq_ids, lengths) -> list[np.ndarray]:
+    with pool.forward(seq_ids, lengths) as kv:
+        return [t.numpy().copy() for t in kv[1:]]
+
+
+def test_tables_of_a_forward_pass():
+    pool = _pool()
+    pool.add_sequence(7)
+    pool.add_sequence(3)
+    positions, slots, q_indptr, page_indptr, page_values = _tables(pool, [7, 3], [18, 2])
+    np.testing.assert_array_equal(positions, [*range(18), 0, 1])
+    np.testing.assert_array_equal(q_indptr, [0, 18, 20])
+    np.testing.assert_array_equal(page_indptr, [0, 2, 3])
+    first, second, third = page_values
+    expected = [first * PAGE + i for i in range(16)] + [second * PAGE, second * PAGE + 1]
+    np.testing.assert_array_equal(slots, [*expected, third * PAGE, third * PAGE + 1])
+    assert len({first, second, third}) == 3
+    assert [pool.sequence_length(s) for s in (7, 3)] == [18, 2]
+    # Decoding one more token of 7 continues its second page.
+    positions, slots, *_ = _tables(pool, [7], [1])
+    np.testing.assert_array_equal(positions, [18])
+    np.testing.assert_array_equal(slots, [second * PAGE + 2])
+
+
+def test_fork_shares_pages_and_copies_the_one_written():
+    pool = _pool()
+    view = np.from_dlpack(pool.pages)
+    pool.add_sequence(0)
+    _tables(pool, [0], [20])  # pages a (full) and b (4 tokens)
+    a, b = pool._seqs[0].pages
+    view[:, b] = 5.0  # stands for the parent's keys and values
+    free = pool.available_pages()
+    pool.fork_sequence(0, 1)
+    assert pool.available_pages() == free  # nothing copied yet
+    *_, page_values = _tables(pool, [1], [1])  # the child writes into the shared page b
+    assert page_values[0] == a and page_values[1] != b
+    np.testing.assert_array_equal(view[:, page_values[1]], view[:, b])
+    assert pool.available_pages() == free - 1
+    # The parent writes into b, its own again: no copy.
+    *_, page_values = _tables(pool, [0], [1])
+    np.testing.assert_array_equal(page_values, [a, b])
+    pool.remove_sequence(0)
+    pool.remove_sequence(1)
+    assert pool.available_pages() == 8
+
+
+def test_fork_at_a_position_and_rollback():
+    pool = _pool()
+    pool.add_sequence(0)
+    _tables(pool, [0], [40])
+    pool.fork_sequence(0, 1, fork_pos=16)
+    assert pool.sequence_length(1) == 16
+    assert pool._seqs[1].pages == pool._seqs[0].pages[:1]
+    pool.popn(0, 23)  # back to 17 tokens: the third page goes back
+    assert pool.sequence_length(0) == 17 and len(pool._seqs[0].pages) == 2
+    assert pool.available_pages() == 8 - 2
+    with pytest.raises(ValueError, match="cannot pop 18"):
+        pool.popn(0, 18)
+    with pytest.raises(ValueError, match="not in the KV cache"):
+        pool.popn(9, 1)
+    with pytest.raises(ValueError, match="already in the KV cache"):
+        pool.add_sequence(1)
+
+
+def test_a_full_pool_is_refused():
+    pool = _pool(num_pages=2)
+    pool.add_sequence(0)
+    with pytest.raises(KVCacheFull, match="no free page"):
+        _tables(pool, [0], [33])
