@@ -18,8 +18,8 @@ import tvm
 from mlc_spec.runtime.artifact import FORMAT_VERSION
 
 from .compile import compile_model
-from .options import CompileOptions
-from .pypi_models import default_cache_dir, fetch
+from .options import CompileOptions, default_activations
+from .pypi_models import MODELS, default_cache_dir, fetch
 from .targets import make_target
 
 _CODE_DIRS = ("compiler", "models")
@@ -48,13 +48,17 @@ def compiled(
     quantization: str = "as-source",
     num_layers: int | None = None,
     show_progress: bool = True,
-    activations: str = "float",
+    activations: str | None = None,
     lm_head: str | None = None,
     lm_head_vocab: int | None = None,
 ) -> Path:
     """The CPU artifact of the PyPI model ``name``, compiled on first use (``compile_model``
-    only ever renames a complete artifact into place, so a cached one is whole)."""
-    cpu = make_target("llvm").attrs["mcpu"]
+    only ever renames a complete artifact into place, so a cached one is whole); activations
+    None: the model's default (``options.default_activations``)."""
+    target = make_target("llvm")
+    cpu = target.attrs["mcpu"]
+    if activations is None:
+        activations = default_activations(MODELS[name].sha256, quantization, target)
     layers = f"-{num_layers}-layers" if num_layers is not None else ""
     head = f"-{lm_head}-head" if lm_head is not None else ""
     head += f"-vocab{lm_head_vocab}" if lm_head_vocab is not None else ""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlc_spec.runtime.artifact import ACTIVATIONS
 
+from .activations_default import int8_by_default
 from .errors import CompileError
 from .int8_matmul import integer_dot
 from .quantization.plan import LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
@@ -98,7 +99,9 @@ class CompileOptions:
     def with_source_defaults(self, source: ModelSource, tvm_target: Target) -> CompileOptions:
         """Validated options with the defaults that depend on the model filled in."""
         options = replace(self, quantization=self.quantization or default_quantization(source))
-        activations = options.activations or default_activations(source, options, tvm_target)
+        activations = options.activations or default_activations(
+            source.source_hash, options.quantization, tvm_target
+        )
         return replace(options, activations=activations)
 
 
@@ -107,10 +110,20 @@ def default_quantization(source: ModelSource) -> str:
     return "as-source" if source.stored_formats else "none"
 
 
-def default_activations(source: ModelSource, options: CompileOptions, tvm_target: Target) -> str:
-    """The activations when ``--activations`` is not given (``options`` has its quantization
-    filled in): float, which every model and target supports."""
-    return "float"
+def default_activations(source_hash: str, quantization: str, tvm_target: Target) -> str:
+    """The activations when ``--activations`` is not given: int8 for a file (by its sha256)
+    where they were measured at least as faithful to the float model as llama.cpp
+    (``activations_default``), its quantized weights kept as shipped, on a CPU with an integer
+    dot product (VNNI or AVX2); float everywhere else."""
+    if tvm_target.kind.name != "llvm" or quantization != "as-source":
+        return "float"
+    if not int8_by_default(source_hash):
+        return "float"
+    try:
+        integer_dot(tvm_target)
+    except CompileError:
+        return "float"
+    return "int8"
 
 
 def _not_for(flag: str, only: str, target: str) -> str:
