@@ -1,13 +1,12 @@
 """The sampler's greedy ``argmax`` on the CPU, vectorised, in place of TVM's.
 
-TVM's argmax reduces a row one element at a time, value and index carried through two
-selects, on one thread for all rows: 0.45 ms for Qwen2.5's 152k-token vocabulary per decode
-step and 2.1 ms for the 5 rows of a 4-draft verify (``scripts/profile_step.py``), 3% of that
-call. Here 16 lanes keep each its own first maximum over every 16th element, the lanes are
-merged (highest value, then lowest index) and the tail past the last full vector (the whole
-row if it is shorter than one) is scanned; rows run on the thread pool when there are several.
-The result is ``np.argmax``'s for rows without NaN: the lowest index on ties, also in a row of
-nothing but -inf (TVM's gives -1).
+TVM's argmax reduces a row one element at a time, value and index carried through two selects,
+on one thread for all rows: over a 152k-token vocabulary a visible share of a verify call
+(docs/kernels.md). Here 16 lanes keep each its own first maximum over every 16th element, the
+lanes are merged (highest value, then lowest index) and the tail past the last full vector (the
+whole row if it is shorter than one) is scanned; rows run on the thread pool when there are
+several. The result is ``np.argmax``'s for rows without NaN: the lowest index on ties, also in
+a row of nothing but -inf (TVM's gives -1).
 
 ``UseCPUArgmaxKernel`` swaps it in only where the module's ``argmax`` is the sampler's
 (``compiler/sampler.py``), checked structurally, whatever its vocabulary size.

@@ -2,12 +2,13 @@
 (C[.., m, n] = sum_k A[.., m, k] * W[n, k], plus a fused elementwise epilogue).
 
 ``dlight.cpu`` ships GEMV and Reduction rules but none for matmul; without this rule every
-linear layer runs TVM's naive loop nest (~20x slower). On the CPU every weight is stored in
-panels of 64 output rows, k-major (``models/quantized.py``): quantized codes, or float32. The
-kernel's ``dequantize`` stage computes the weight from that storage, and is fused into this
-schedule so that no float copy of a weight is written. ``m`` (tokens) is symbolic, so one kernel
-serves decode (m = 1), verification and draft batches (m = 2..16) and prefill (m >= 32), which
-want different loop nests; the rule schedules each and branches on m at run time:
+linear layer runs TVM's naive loop nest, an order of magnitude slower (docs/kernels.md). On the
+CPU every weight is stored in panels of 64 output rows, k-major (``models/quantized.py``):
+quantized codes, or float32. The kernel's ``dequantize`` stage computes the weight from that
+storage, and is fused into this schedule so that no float copy of a weight is written. ``m``
+(tokens) is symbolic, so one kernel serves decode (m = 1), verification and draft batches
+(m = 2..16) and prefill (m >= 32), which want different loop nests; the rule schedules each
+and branches on m at run time:
 
 * small m, *panel GEMV*: vectorised along n. Each loaded vector holds one code word of 16
   consecutive output rows; it is decoded in registers and FMA'd with A[m, k] broadcast for every

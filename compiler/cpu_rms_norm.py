@@ -1,9 +1,8 @@
 """RMS norm for the CPU as vector arithmetic (``LEGALIZE``, given to ``LegalizeOps``).
 
 TVM legalizes ``rms_norm`` to a row sum of squares taken one element at a time, a chain of
-dependent adds that no schedule vectorises: ~0.45 µs per 576-wide row of SmolLM2, so 4 µs per
-norm of an 8-token verify and 70 µs of a 128-token prefill, 61 norms a step (2026-11-24, a
-2-core AVX-512 Xeon). Here a row's squares are summed in ``CHAINS`` independent vector
+dependent adds that no schedule vectorises, paid twice per layer and once more per step
+(docs/kernels.md). Here a row's squares are summed in ``CHAINS`` independent vector
 accumulators, added up as a tree, and the row is scaled with the same formula as TVM's
 (``rsqrt(sum / n + eps) * x * weight``, in float32). Each row gets the same arithmetic whatever
 the row count, so verified rows stay bit-identical to decoded ones; rows run on the calling

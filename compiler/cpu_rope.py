@@ -2,11 +2,11 @@
 position's cos/sin computed once.
 
 TVM's ``fused_rope`` (``llama_rope_with_position_map``) computes ``pow``, ``cos`` and ``sin``
-through libm for every element of every head, though the heads of a position share its angles:
-1.5 ms of a SmolLM2 layer's 128-token prefill (1 thread). This kernel evaluates TVM's own angle
-expressions (``switch_rope_freq_func``) once per position and distinct angle into a table
-(features i and i + d/2 share one where TVM's simplifier proves it), then rotates all heads with
-vector arithmetic, so the angles are TVM's own (the test compares the two kernels). Short inputs
+through libm for every element of every head, though the heads of a position share its angles
+(docs/kernels.md for what that cost). This kernel evaluates TVM's own angle expressions
+(``switch_rope_freq_func``) once per position and distinct angle into a table (features i and
+i + d/2 share one where TVM's simplifier proves it), then rotates all heads with vector
+arithmetic, so the angles are TVM's own (the test compares the two kernels). Short inputs
 (decode, verify) run on the calling thread: a thread-pool launch costs more than the work.
 Rotate-half layout over the whole head, default or llama3 frequencies (what ``models/config.py``
 accepts).

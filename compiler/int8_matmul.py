@@ -38,6 +38,7 @@ stay whole (a pair sum is at most 2 x 63 x 127), with fewer pair sums added in i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -60,19 +61,11 @@ _NIBBLES = 0x0F0F0F0F
 _LOW_BITS = 0x01010101
 _INT8_MAX = 127.0
 _INT16_MAX = 32767
-# How far ahead of a sweep's reads its code lines are prefetched: into L2 from DRAM, and from
-# there into L1. Both kinds are spread over the rows' arithmetic of a group rather than asked for
-# together: a burst of a group's lines (until 2026-11-24 one 4 KB burst into L1) filled the L1
-# miss buffers and held the core until they drained, so that memory and arithmetic took turns.
-# On a 2-core AVX-512 Xeon (2026-11-24, ``scripts/bench_kernel.py``, SmolLM2's layers alone),
-# with the rows' dots advancing together (``IntegerDot.accumulate``), this kernel took
-# 0.85-0.89x the former one's time at 1 row and 0.80-0.84x at 4-8 rows; L2 distances of 4-16 KB
-# and L1 distances of 0.5-2 KB did alike. The prefetch change alone, in the whole SmolLM2 int8
-# model (``scripts/bench_ab.py``, 15 rounds): prefill 0.96x, verify 8 tokens 0.98x, verify 2
-# 1.03x, decode and verify 4 within 1.5%. Asking for the group scales' and offsets' lines as
-# well, at the same distance, gave (``scripts/bench_ab.py``, 30 rounds, 2026-11-24) prefill
-# 0.94-0.95x with decode and verify 0.97-1.00x on that Xeon, and decode 0.93-0.97x, verify 2-4
-# tokens 0.93-0.98x, verify 8 1.00x in an AVX2 (x86-64-v3) build.
+# How far ahead of a sweep's reads its code lines, and its group scales' and offsets' lines, are
+# prefetched: into L2 from DRAM, and from there into L1. The asks are spread over the rows'
+# epilogues of a group rather than made together: one burst of a group's lines filled the L1 miss
+# buffers and held the core until they drained, so that memory and arithmetic took turns; spread
+# out, they overlap. Nearby distances did alike (docs/kernels.md).
 _PREFETCH_L2_BYTES = 4096
 _PREFETCH_L1_BYTES = 1024
 _CACHE_LINE_BYTES = 64
@@ -96,10 +89,9 @@ class IntegerDot:
 
     The widths keep a sweep's int32 and float32 accumulators of every row and the decoded
     codes in registers where they fit: 2 x rows x width + 6 <= 32 with AVX-512. AVX2 has 16,
-    yet on Zen 3 sweeps of 4, 4, 2, 2 vectors for 1-4 rows took 0.81-0.93x the time of that
-    rule's 4, 2, 1, 1 at 3-4 rows, even at 2 (Qwen2.5-1.5B's Q4_K gate/up and Q6_K down
-    alone): a spilled accumulator costs less than a code vector decoded once more per sweep.
-    AVX-VNNI (16 registers too) keeps the rule, unmeasured.
+    yet sweeps wider than that rule allows (4, 4, 2, 2 vectors for 1-4 rows, not 4, 2, 1, 1)
+    are faster there: a spilled accumulator costs less than a code vector decoded once more per
+    sweep (docs/kernels.md). AVX-VNNI (16 registers too) keeps the rule, unmeasured.
     """
 
     lanes: int
@@ -152,9 +144,9 @@ class IntegerDot:
         dot(codes, x) over its parts (codes, x: an int32 of 4 int8 activations, broadcast to
         every lane; weight) of a ``bits``-bit format's group; every row has the same codes. With
         vpdpbusd the rows' chains advance together, one part at a time: row after row, each
-        chain of dependent dots (5 cycles apiece) outran what the core's scheduler could hold,
-        and 8 rows took 1.3x as long (weights in cache). vpmaddubsw pair sums are added in int16
-        (as many as cannot saturate, ``_int16_sums``) and widened by vpmaddwd, row by row."""
+        chain of dependent dots (5 cycles apiece) outran what the core's scheduler could hold
+        (docs/kernels.md). vpmaddubsw pair sums are added in int16 (as many as cannot
+        saturate, ``_int16_sums``) and widened by vpmaddwd, row by row."""
         if not self.vnni:
             return [
                 self._pair_chain(start, parts, bits)
@@ -235,14 +227,9 @@ _INTEGER_DOTS = (
 
 
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
-# panel for up to 8 rows. On a 2-core AVX-512 Xeon (2026-11-23, ``scripts/bench_kernel.py``,
-# Qwen2.5-1.5B's Q4_K and Q6_K layers alone) they took 0.47-0.72x the time of the Zen 4 widths
-# at 4-8 rows: there a spilled accumulator costs less than a vector decoded again. Without a
-# code prefetch (then one 4 KB burst into L1) Q4_1 was 1.1-1.3x faster with 2 vectors at 4-7
-# rows; with it, 2 and 4 are within a few percent for every format but Q6_K, where 4 wins
-# (``bench_kernel.py --widths 2,4``, docs/benchmarks.md). With today's prefetches and rows
-# advancing together, 4 vectors still took 0.80-0.92x the time of 2 at 8 rows of SmolLM2's
-# layers (``--widths 1,2,4``).
+# panel for up to 8 rows. On the AVX-512 Xeon measured, a spilled accumulator costs less than a
+# vector decoded again, and with the prefetches and the rows' dots advancing together 4 vectors
+# per sweep stay ahead of 2 (docs/kernels.md). AMD's keep the widths measured on Zen 4.
 _WIDE_SWEEPS = (4,) * 8
 
 
@@ -350,213 +337,306 @@ def quantize_func(k: int, group: int, interleave: bool, zero: int) -> tirx.PrimF
 @cache
 def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -> tirx.PrimFunc:
     """out [M, n] float32 from ``quantize_func``'s outputs and a weight [n, k] in panels of
-    ``panel`` rows in format ``fmt``: one kernel, branching on M over the row tiles."""
-    lanes = dot.lanes
-    words_per_group = fmt.group_size * fmt.bits // 32
-    groups, vectors, panels = k // fmt.group_size, panel // lanes, n // panel
-    largest = dot.max_rows
-    f32 = dot.f32
-
+    ``panel`` rows in format ``fmt``: one kernel, branching on M over the row tiles
+    (``_Kernel.dispatch``)."""
+    shape = _Shape.of(dot, fmt, n, k, panel)
     with IRBuilder() as ib, scheduled_prim_func():
+        kernel = _Kernel(dot, fmt, shape, _Params.declare(fmt, shape, n, k))
+        with T.sblock("root"):
+            kernel.dispatch()
+    return ib.get()
+
+
+_Index = tirx.Expr | int  # a loop variable, an expression of them, or a constant
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The static shape of one kernel: ``lanes`` per vector, ``panels`` panels of
+    ``panel_rows`` rows, ``groups`` groups along k, ``words`` code words (uint32) per group and
+    row."""
+
+    lanes: int
+    panel_rows: int
+    panels: int
+    groups: int
+    words: int
+
+    @classmethod
+    def of(cls, dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -> _Shape:
+        words = fmt.group_size * fmt.bits // 32
+        return cls(dot.lanes, panel, n // panel, k // fmt.group_size, words)
+
+    @property
+    def vectors(self) -> int:
+        """Vectors per panel."""
+        return self.panel_rows // self.lanes
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The kernel's parameters, ``m`` (rows) symbolic; ``offsets`` for asymmetric formats,
+    ``super_*`` for two-level ones (their group scales and offsets are small integers)."""
+
+    m: tirx.Var
+    xq: tirx.Buffer
+    xs: tirx.Buffer
+    xsum: tirx.Buffer
+    codes: tirx.Buffer
+    scales: tirx.Buffer
+    offsets: tirx.Buffer | None
+    super_scales: tirx.Buffer | None
+    super_offsets: tirx.Buffer | None
+    out: tirx.Buffer
+
+    @classmethod
+    def declare(cls, fmt: GroupFormat, shape: _Shape, n: int, k: int) -> _Params:
+        """Declared in the IR builder's PrimFunc frame, in the order of the call's arguments."""
         m = T.int64()
+        groups, per_group = shape.groups, (shape.panels, shape.groups, shape.panel_rows)
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
         xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(fmt.zero))
-        codes = T.arg("codes", T.buffer((panels, groups * words_per_group, panel), "uint32"))
+        words = (shape.panels, groups * shape.words, shape.panel_rows)
+        codes = T.arg("codes", T.buffer(words, "uint32"))
         group_type = str(np.dtype(fmt.group_type))
-        scales = T.arg("scales", T.buffer((panels, groups, panel), group_type))
-        offsets = (
-            T.arg("offsets", T.buffer((panels, groups, panel), group_type))
-            if fmt.asymmetric
-            else None
-        )
+        scales = T.arg("scales", T.buffer(per_group, group_type))
+        offsets = T.arg("offsets", T.buffer(per_group, group_type)) if fmt.asymmetric else None
+        super_scales = super_offsets = None
         if fmt.super_group:
-            supers = (panels, k // fmt.super_group, panel)
+            supers = (shape.panels, k // fmt.super_group, shape.panel_rows)
             super_scales = T.arg("super_scales", T.buffer(supers, SUPER_TYPE))
             if fmt.asymmetric:
                 super_offsets = T.arg("super_offsets", T.buffer(supers, SUPER_TYPE))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
+        return cls(m, xq, xs, xsum, codes, scales, offsets, super_scales, super_offsets, out)
 
-        def widened(buffer, index: list):
-            """One vector of float32 lanes from ``buffer``, converted from its type (float16
-            and small integers convert exactly)."""
-            dtype = str(buffer.dtype)
-            if dtype == "float32":
-                return buffer.vload(index, f32)
-            return T.Cast(f32, buffer.vload(index, f"{dtype}x{lanes}"))
 
-        def scale_offset(p, g, lane0) -> tuple:
-            """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``:
-            loaded, or for a two-level format multiplied from its integers and its
-            super-group's float16, widened (exact products: the one-level format's values)."""
-            if not fmt.super_group:
-                offset = widened(offsets, [p, g, lane0]) if offsets is not None else None
-                return widened(scales, [p, g, lane0]), offset
-            s = g // (fmt.super_group // fmt.group_size)
+@dataclass(frozen=True)
+class _Accumulators:
+    """float32 accumulators of ``width`` vectors per row, slot i of row r at (r, i)."""
 
-            def times(supers, small):
-                return widened(supers, [p, s, lane0]) * widened(small, [p, g, lane0])
+    buffer: tirx.Buffer
+    width: int
+    lanes: int
 
-            if offsets is None:
-                return times(super_scales, scales), None
-            return times(super_scales, scales), times(super_offsets, offsets)
+    @classmethod
+    def alloc(cls, rows: int, width: int, lanes: int) -> _Accumulators:
+        # "global": under 1 KB (every tile here) TVM keeps it on the stack, where LLVM holds it
+        # in registers; "local" costs a TVMBackendAllocWorkspace call per pass (docs/kernels.md).
+        return cls(T.alloc_buffer((rows * width * lanes,), "float32", scope="global"), width, lanes)
 
-        def x_word(row, column):
-            """4 activation codes from ``column`` on, as one int32."""
-            return T.reinterpret("int32", xq.vload([row, column], "int8x4"))
+    def load(self, r: int, i: int) -> tirx.Expr:
+        return self.buffer.vload([(r * self.width + i) * self.lanes], f"float32x{self.lanes}")
 
-        def group_parts(p, g, lane0) -> list[tuple]:
-            """The decoded code vectors of group g, lanes from ``lane0``, with the column
-            of their first activation and their weight."""
-            words = [
-                T.Bind(
-                    T.reinterpret(
-                        dot.i32,
-                        codes.vload([p, g * words_per_group + w, lane0], f"uint32x{lanes}"),
-                    )
+    def store(self, r: int, i: int, value: tirx.Expr) -> None:
+        T.buffer_store(
+            self.buffer, value, [T.ramp((r * self.width + i) * self.lanes, 1, self.lanes)]
+        )
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """The pieces of ``matmul_func``'s body, top-down: ``dispatch`` picks ``exact`` or
+    ``tiled`` passes by M, each pass (``in_registers``) adds up ``group_terms`` in registers,
+    and those decode a group's codes once (``group_parts``, ``scale_offset``) for all rows."""
+
+    dot: IntegerDot
+    fmt: GroupFormat
+    shape: _Shape
+    params: _Params
+
+    def dispatch(self) -> None:
+        """M up to ``dot.max_rows``: one exact pass (a branch per M); beyond, ``tiled``."""
+        m, largest = self.params.m, self.dot.max_rows
+        with T.If(m <= largest):
+            with T.Then():
+                _chain(m, list(range(1, largest + 1)), self.exact)
+            with T.Else():
+                self.tiled()
+
+    def exact(self, rows: int) -> None:
+        """M == rows <= the largest tile: every weight vector read once per call. A panel is
+        swept ``dot.widths[rows - 1]`` of its vectors at a time (1 beyond the tuple; the largest
+        divisor of its vectors up to that), so that a sweep's decoded codes and its rows'
+        accumulators stay in registers: two vectors' decoded codes (16 registers for 4-bit) and
+        their rows' accumulators crowd even AVX-512's 32 from 5 rows on. Sweeps in registers
+        beat one sweep over all vectors accumulating in the L1 cache. The threads share the
+        (panel, sweep) pairs rather than the panels, so that an odd number of panels (9 for
+        SmolLM2's 576 rows) splits evenly (docs/kernels.md)."""
+        vectors, panels = self.shape.vectors, self.shape.panels
+        most = self.dot.widths[rows - 1] if rows <= len(self.dot.widths) else 1
+        width = max(w for w in range(1, most + 1) if vectors % w == 0)
+        sweeps = vectors // width
+        with T.parallel(0, panels * sweeps) as unit:
+            self.in_registers(_Sweep(unit // sweeps, unit % sweeps * width, width, rows, 0))
+
+    def tiled(self) -> None:
+        """M > the largest tile: per vector of a panel (the threads share the (panel, vector)
+        pairs), full tiles, then the rest as one exact tile."""
+        m, largest, vectors = self.params.m, self.dot.max_rows, self.shape.vectors
+        full = (m // largest) * largest
+        with T.parallel(0, self.shape.panels * vectors) as unit:
+            p, v = unit // vectors, unit % vectors
+            with T.serial(0, m // largest) as mo:
+                self.in_registers(_Sweep(p, v, 1, largest, mo * largest))
+            rest = list(range(1, largest))
+            _chain(m - full, rest, lambda r: self.in_registers(_Sweep(p, v, 1, r, full)))
+
+    def in_registers(self, sweep: _Sweep) -> None:
+        """``sweep`` over all groups, its accumulators in registers."""
+        lanes, width, rows = self.shape.lanes, sweep.width, sweep.rows
+        acc = _Accumulators.alloc(rows, width, lanes)
+        for r in range(rows):
+            for i in range(width):
+                acc.store(r, i, tirx.Broadcast(T.float32(0), lanes))
+        with T.serial(0, self.shape.groups) as g:
+            asks = _spread(self.prefetches(sweep, g), width * rows)
+            for i in range(width):
+                self.group_terms(sweep, g, i, acc, asks[i * rows : (i + 1) * rows])
+        for r in range(rows):
+            for i in range(width):
+                column = T.ramp(
+                    sweep.panel * self.shape.panel_rows + (sweep.first + i) * lanes, 1, lanes
                 )
-                for w in range(words_per_group)
+                T.buffer_store(self.params.out, acc.load(r, i), [sweep.base + r, column])
+
+    def group_terms(
+        self, sweep: _Sweep, g: _Index, i: int, acc: _Accumulators, ahead: list[list]
+    ) -> None:
+        """Adds group g of the sweep's vector i, times its rows, to slot i of their
+        accumulators: the group's code vectors are loaded and decoded once for all the rows.
+        ``ahead[r]``: the prefetches to ask for beside row r's epilogue."""
+        lanes, xs, xsum = self.shape.lanes, self.params.xs, self.params.xsum
+        p, base = sweep.panel, sweep.base
+        lane0 = (sweep.first + i) * lanes
+        parts = self.group_parts(p, g, lane0)
+        scale, offset = self.scale_offset(p, g, lane0)
+        scale = T.Bind(scale)
+        offset = T.Bind(offset) if offset is not None else None
+        starts = [
+            tirx.Broadcast(xsum[base + r, g] if self.fmt.zero else T.int32(0), lanes)
+            for r in range(sweep.rows)
+        ]
+        words = [
+            [(c, self.x_word(base + r, col), w) for c, col, w in parts] for r in range(sweep.rows)
+        ]
+        sums = self.dot.accumulate(starts, words, self.fmt.bits)
+        for r in range(sweep.rows):
+            for call in ahead[r]:
+                T.evaluate(call)
+            row = base + r
+            ints = T.Cast(self.dot.f32, sums[r])
+            xscale = scale * tirx.Broadcast(xs[row, g], lanes)
+            value = self.dot.fma(ints, xscale, acc.load(r, i))
+            if offset is not None:
+                value = self.dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
+            acc.store(r, i, value)
+
+    def prefetches(self, sweep: _Sweep, g: _Index) -> list:
+        """Calls asking for the lines that this sweep reads ``_PREFETCH_L2_BYTES`` of codes on
+        from group g's (into L2) and ``_PREFETCH_L1_BYTES`` on (into L1), alternating. The
+        hardware prefetchers stop at 4 KB pages and fall behind once several rows' arithmetic
+        runs between the loads; past the last group the address lies in the next panel or past
+        the buffer, where a prefetch does nothing."""
+        into_l2 = self._prefetch(sweep, g, _PREFETCH_L2_BYTES, 2)
+        into_l1 = self._prefetch(sweep, g, _PREFETCH_L1_BYTES, 3)
+        return [call for pair in zip(into_l2, into_l1, strict=True) for call in pair]
+
+    def _prefetch(self, sweep: _Sweep, g: _Index, distance: int, locality: int) -> list:
+        """Prefetches (read, into cache level ``locality``: 3 L1, 2 L2, data) of the group
+        ``distance`` code bytes of this sweep ahead: one line per word and vector, then the
+        lines of the same group's scales and offsets, separate streams."""
+        lanes, words = self.shape.lanes, self.shape.words
+        codes, scales, offsets = self.params.codes, self.params.scales, self.params.offsets
+        p, first, width = sweep.panel, sweep.first, sweep.width
+        ahead = -(-distance // (words * width * lanes * 4))
+        lines = [
+            codes[p, (g + ahead) * words + w, (first + i) * lanes]
+            for i in range(width)
+            for w in range(words)
+        ]
+        for small in (scales, offsets):
+            if small is None:
+                continue
+            step = max(1, _CACHE_LINE_BYTES // np.dtype(str(small.dtype)).itemsize)
+            lines += [
+                small[p, g + ahead, first * lanes + lane] for lane in range(0, width * lanes, step)
             ]
-            return [
-                (part, g * fmt.group_size + column, weight)
-                for part, column, weight in dot.decode(words, fmt.bits)
-            ]
+        return [
+            T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(line), 0, locality, 1)
+            for line in lines
+        ]
 
-        def group_terms(p, g, v, i: int, rows: int, base, acc_load, acc_store, ahead) -> None:
-            """Adds group g of vector v of panel p, times rows base .. base + rows - 1 (all
-            valid), to their accumulators (slot i of each row's): the group's code vectors are
-            loaded and decoded once for all the rows. ``ahead[r]``: the prefetches to ask for
-            beside row r's epilogue."""
-            lane0 = v * lanes
-            parts = group_parts(p, g, lane0)
-            scale, offset = scale_offset(p, g, lane0)
-            scale = T.Bind(scale)
-            offset = T.Bind(offset) if offset is not None else None
-            starts = [
-                tirx.Broadcast(xsum[base + r, g] if fmt.zero else T.int32(0), lanes)
-                for r in range(rows)
-            ]
-            words = [[(c, x_word(base + r, col), w) for c, col, w in parts] for r in range(rows)]
-            sums = dot.accumulate(starts, words, fmt.bits)
-            for r in range(rows):
-                for call in ahead[r]:
-                    T.evaluate(call)
-                row = base + r
-                ints = T.Cast(f32, sums[r])
-                xscale = scale * tirx.Broadcast(xs[row, g], lanes)
-                value = dot.fma(ints, xscale, acc_load(r, i))
-                if offset is not None:
-                    value = dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
-                acc_store(r, i, value)
+    def group_parts(self, p: _Index, g: _Index, lane0: _Index) -> list[tuple]:
+        """The decoded code vectors of group g, lanes from ``lane0``, with the column of their
+        first activation and their weight."""
+        lanes, words, codes = self.shape.lanes, self.shape.words, self.params.codes
+        loaded = [
+            T.Bind(
+                T.reinterpret(
+                    self.dot.i32, codes.vload([p, g * words + w, lane0], f"uint32x{lanes}")
+                )
+            )
+            for w in range(words)
+        ]
+        return [
+            (part, g * self.fmt.group_size + column, weight)
+            for part, column, weight in self.dot.decode(loaded, self.fmt.bits)
+        ]
 
-        def prefetches(p, g, first, width: int) -> list:
-            """Calls asking for the code lines that this sweep reads ``_PREFETCH_L2_BYTES`` on
-            from group g's (into L2) and ``_PREFETCH_L1_BYTES`` on (into L1), alternating; one
-            64-byte line per word and vector, and the lines of the same group's scales and
-            offsets, separate streams. The hardware prefetchers stop at 4 KB pages and fall
-            behind once several rows' arithmetic runs between the loads; past the last group
-            the address lies in the next panel or past the buffer, where a prefetch does
-            nothing."""
+    def scale_offset(self, p: _Index, g: _Index, lane0: _Index) -> tuple:
+        """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``: loaded,
+        or for a two-level format multiplied from its integers and its super-group's float16,
+        widened (exact products: the one-level format's values)."""
+        params, fmt = self.params, self.fmt
+        if not fmt.super_group:
+            offset = (
+                self.widened(params.offsets, [p, g, lane0]) if params.offsets is not None else None
+            )
+            return self.widened(params.scales, [p, g, lane0]), offset
+        s = g // (fmt.super_group // fmt.group_size)
 
-            def ask(distance: int, locality: int) -> list:
-                ahead = -(-distance // (words_per_group * width * lanes * 4))
-                lines = [
-                    codes[p, (g + ahead) * words_per_group + w, (first + i) * lanes]
-                    for i in range(width)
-                    for w in range(words_per_group)
-                ]
-                for small in (scales, offsets):
-                    if small is None:
-                        continue
-                    step = max(1, _CACHE_LINE_BYTES // np.dtype(str(small.dtype)).itemsize)
-                    lines += [
-                        small[p, g + ahead, first * lanes + lane]
-                        for lane in range(0, width * lanes, step)
-                    ]
-                return [
-                    T.call_llvm_intrin(
-                        "void", "llvm.prefetch.p0", T.address_of(line), 0, locality, 1
-                    )
-                    for line in lines
-                ]  # read, the cache level (3: L1, 2: L2), data
+        def times(supers: tirx.Buffer, small: tirx.Buffer) -> tirx.Expr:
+            return self.widened(supers, [p, s, lane0]) * self.widened(small, [p, g, lane0])
 
-            pairs = zip(ask(_PREFETCH_L2_BYTES, 2), ask(_PREFETCH_L1_BYTES, 3), strict=True)
-            return [call for pair in pairs for call in pair]
+        scale = times(params.super_scales, params.scales)
+        if params.offsets is None:
+            return scale, None
+        return scale, times(params.super_offsets, params.offsets)
 
-        def in_registers(p, first, width: int, rows: int, base) -> None:
-            """Rows base .. base + rows - 1 times ``width`` vectors of panel p from vector
-            ``first`` on, over all groups, their accumulators in registers."""
-            # "global": under 1 KB (every tile here) TVM keeps it on the stack, where LLVM
-            # holds it in registers; "local" cost a TVMBackendAllocWorkspace call per panel,
-            # ~11% of Qwen2.5-1.5B's gate/up projection at m = 1.
-            acc = T.alloc_buffer((rows * width * lanes,), "float32", scope="global")
+    def widened(self, buffer: tirx.Buffer, index: list) -> tirx.Expr:
+        """One vector of float32 lanes from ``buffer``, converted from its type (float16 and
+        small integers convert exactly)."""
+        dtype = str(buffer.dtype)
+        if dtype == "float32":
+            return buffer.vload(index, self.dot.f32)
+        return T.Cast(self.dot.f32, buffer.vload(index, f"{dtype}x{self.shape.lanes}"))
 
-            def load(r, i):
-                return acc.vload([(r * width + i) * lanes], f32)
+    def x_word(self, row: _Index, column: _Index) -> tirx.Expr:
+        """4 activation codes from ``column`` on, as one int32."""
+        return T.reinterpret("int32", self.params.xq.vload([row, column], "int8x4"))
 
-            def store(r, i, value) -> None:
-                T.buffer_store(acc, value, [T.ramp((r * width + i) * lanes, 1, lanes)])
 
-            for r in range(rows):
-                for i in range(width):
-                    store(r, i, tirx.Broadcast(T.float32(0), lanes))
-            with T.serial(0, groups) as g:
-                asks = _spread(prefetches(p, g, first, width), width * rows)
-                for i in range(width):
-                    ahead = asks[i * rows : (i + 1) * rows]
-                    group_terms(p, g, first + i, i, rows, base, load, store, ahead)
-            for r in range(rows):
-                for i in range(width):
-                    column = T.ramp(p * panel + (first + i) * lanes, 1, lanes)
-                    T.buffer_store(out, load(r, i), [base + r, column])
+@dataclass(frozen=True)
+class _Sweep:
+    """Rows base .. base + rows - 1 (all valid) times ``width`` vectors of ``panel`` from
+    vector ``first`` on."""
 
-        def exact(rows: int) -> None:
-            """m == rows <= the largest tile: every weight vector read once per call. A panel
-            is swept once per ``dot.widths`` of its vectors (all 4 AVX-512 vectors for 1-3
-            rows, 2 for 4), and one vector per sweep from 5 rows on: two vectors' decoded
-            codes (16 registers for 4-bit) and their rows' accumulators crowd the 32
-            registers, and Qwen2.5-1.5B
-            verified 5 and 6 tokens 14-16% faster with one (4-bit gate/up alone: 20-35%;
-            docs/quantization.md). On Zen 4 these sweeps took 0.69-0.95x the time of one sweep
-            over all vectors accumulating in the L1 cache, for 4-6 rows of Qwen2.5-1.5B's
-            shapes; on an AVX-512 Xeon sweeps of all 4 vectors up to 8 rows were faster
-            (``_WIDE_SWEEPS``). The threads share the (panel, sweep) pairs rather than the
-            panels, so that an odd number of panels (9 for SmolLM2's 576 rows) splits evenly:
-            SmolLM2 decoded 8% faster on an AVX2 Zen 3 (docs/quantization.md)."""
-            most = dot.widths[rows - 1] if rows <= len(dot.widths) else 1
-            width = max(w for w in range(1, most + 1) if vectors % w == 0)
-            sweeps = vectors // width
-            with T.parallel(0, panels * sweeps) as unit:
-                in_registers(unit // sweeps, unit % sweeps * width, width, rows, 0)
+    panel: _Index
+    first: _Index
+    width: int
+    rows: int
+    base: _Index
 
-        def tiled() -> None:
-            """m > the largest tile: per vector of a panel (the threads share the (panel,
-            vector) pairs), full tiles, then the rest as one exact tile."""
-            full = (m // largest) * largest
-            with T.parallel(0, panels * vectors) as unit:
-                p, v = unit // vectors, unit % vectors
-                with T.serial(0, m // largest) as mo:
-                    in_registers(p, v, 1, largest, mo * largest)
-                chain(m - full, list(range(1, largest)), lambda r: in_registers(p, v, 1, r, full))
 
-        def chain(value, cases: list[int], body) -> None:
-            """if value == cases[0]: body(cases[0]) elif ...: one branch per case."""
-            if not cases:
-                return
-            with T.If(value == cases[0]):
-                with T.Then():
-                    body(cases[0])
-                if len(cases) > 1:
-                    with T.Else():
-                        chain(value, cases[1:], body)
-
-        def dispatch() -> None:
-            with T.If(m <= largest):
-                with T.Then():
-                    chain(m, list(range(1, largest + 1)), exact)
-                with T.Else():
-                    tiled()
-
-        with T.sblock("root"):
-            dispatch()
-    return ib.get()
+def _chain(value: tirx.Expr, cases: list[int], body: Callable[[int], None]) -> None:
+    """if value == cases[0]: body(cases[0]) elif ...: one branch per case."""
+    if not cases:
+        return
+    with T.If(value == cases[0]):
+        with T.Then():
+            body(cases[0])
+        if len(cases) > 1:
+            with T.Else():
+                _chain(value, cases[1:], body)

@@ -1,17 +1,17 @@
 """Give every PrimFunc of the module the same ``tirx.noalias`` setting, chosen per artifact.
 
-TVM 0.27's LLVM codegen declares a module's functions in name order and generates the bodies
-of all of them with the noalias setting of the last one declared (``is_restricted_`` in
+TVM 0.27's LLVM codegen declares a module's functions in name order and generates the bodies of
+all of them with the noalias setting of the last one declared (``is_restricted_`` in
 ``CodeGenLLVM::DeclareFunctionInternal``), so one function decides for all: the VM's shape
-functions and TVM's own KV-cache kernels (tree attention, sliding window, merge, page copy)
-come without the attribute. Without it, LLVM treats all of a kernel's buffers as possibly
-overlapping, and the scheduled float matmuls store their accumulators back to memory after
-each multiply-add: a float SmolLM2 artifact prefilled 2.1x and verified 8 tokens 2.4x slower
-(``bench_ab.py``, 2026-11-24). With it, LLVM keeps the int8 matmul's activation broadcasts of
-one group live across its sweep's vectors and spills them: 8 rows took 1.2-1.3x as long. So
-float artifacts are built with it and int8-activation ones without, everywhere alike. Safe:
-every function gets a distinct tensor per buffer parameter (the VM its shape heap; the KV
-cache its pages, index arrays and outputs).
+functions and most hand-written kernels (``cpu_rule.scheduled_prim_func``, the KV cache's
+append, RoPE) come without the attribute. Without it, LLVM treats all of a kernel's buffers as
+possibly overlapping, and the scheduled float matmuls store their accumulators back to memory
+after each multiply-add, much slower in prefill and verification. With it, LLVM keeps the int8
+matmul's activation broadcasts of one group live across its sweep's vectors and spills them,
+slowing large verify batches (docs/kernels.md). So float artifacts are built with it and
+int8-activation ones without, everywhere alike. Safe: every function gets a distinct tensor per
+buffer parameter (the VM its shape heap; the KV cache kernels the page pool, page tables and
+outputs).
 """
 
 from __future__ import annotations

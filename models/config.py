@@ -116,7 +116,8 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 
 def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
-    """Return a rope-scaling dict in the form TVM's KV cache expects, or None for plain RoPE."""
+    """Return a rope-scaling dict in the form TVM's RoPE functions take (in TVM's KV cache on
+    CUDA, in ``compiler/cpu_rope.py`` on the CPU), or None for plain RoPE."""
     scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("rope_theta", None)

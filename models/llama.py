@@ -1,5 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2; Qwen2 adds QKV bias)
-written with ``tvm.relax.frontend.nn``; attention and RoPE run inside TVM's paged KV cache.
+written with ``tvm.relax.frontend.nn``; attention and RoPE run inside the paged KV cache
+(``models/kv_cache.py``: TVM's object on CUDA, the page pool's own kernels on the CPU).
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up projections are fused
 into one matmul each (``HF_FUSED``) so a decode step reads each layer's input once.
