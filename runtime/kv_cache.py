@@ -101,8 +101,9 @@ class _Sequence:
 
 
 class PagePool:
-    """Pages of ``page_size`` tokens in ``pages`` [layers, num_pages, 2, kv heads, page_size,
-    head size], shared copy-on-write between forked sequences (a reference count per page)."""
+    """Pages of ``page_size`` tokens in ``pages`` [layers, num_pages, 2, kv heads, page_size x
+    head size] (layout: ``compiler/cpu_attention.page_layout``), shared copy-on-write between
+    forked sequences (a reference count per page)."""
 
     def __init__(self, pages: tvm.runtime.Tensor, page_size: int):
         self.pages = pages
