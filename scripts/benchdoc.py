@@ -1,29 +1,185 @@
-"""Recording benchmark results in docs/benchmarks.md: the run's context and marked sections.
+"""docs/benchmarks.md laid out from the sections that the benchmark scripts write.
 
-Each benchmark script owns one section between ``<!-- name:start -->`` / ``<!-- name:end -->``
-markers and rewrites only that, so the figures of every script live in one file.
+A run's context (date, commit, CPU class, load before and during it) and a page of marked
+sections in a fixed order that the scripts rewrite and nobody edits by hand.
+
+Each benchmark script owns sections between ``<!-- key:start STAMP -->`` / ``<!-- key:end -->``
+markers (STAMP: when it was written, UTC) and rewrites only its own. Every write re-renders the
+whole page: the fixed header, the headline groups first (their sections newest first), the
+"what was tried and left out" list kept in ``TRIED`` below, then the other still-current
+measurements. Each group keeps at most a few sections (the oldest leaves, git keeps it), and a
+key that belongs to no group of the page (a kernel A/B, say) goes to a scratch file instead, so
+no script can grow the page without bound.
+
+    python scripts/benchdoc.py [PAGE] [--drop KEY ...]   # re-render PAGE, dropping KEYs
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+PAGE = REPO / "docs" / "benchmarks.md"
+SCRATCH = Path("/tmp/mlc-spec-bench")  # where sections that the page does not keep go
 # Share of the usable cores that other processes kept busy just before a run, above which its
 # figures are flagged.
 BUSY_SHARE = 0.25
+PAGE_LINES = 250  # the page's budget: a write past it warns, naming the largest sections
+
 DOC_HEADER = """# Benchmarks
 
-Measured performance of mlc-spec. Each section names the script and command that produced it.
-Sections sit between `<!-- name:start -->` / `<!-- name:end -->` markers so that a script can
-rewrite its own and leave the others alone (`scripts/bench_cpu.py --write docs/benchmarks.md`).
+Measured performance of mlc-spec against llama.cpp on the CPU, written by the scripts in
+`scripts/` (`benchdoc.py` lays out the page; nothing here is edited by hand). The headline
+tables come first, one per model and configuration and per CPU class (`amd-avx512`: AMD Zen 4;
+`amd-avx2`: AVX2-only EPYC; `intel-avx512`: Xeon), newest first; each names the command that
+reproduces it. How they are measured:
+
+- **Alternation.** Every system (and every configuration) takes one turn per round, each in a
+  child process of its own that loads the model, warms up and exits, so no TVM or llama.cpp
+  thread pool is alive, spinning, while the other runs; the order reverses every other round.
+  Each cell is the median over rounds with the min-max range; ratios and goals use medians.
+- **Same tokens, same work.** Batch 1, greedy, 2 threads on both sides. End to end: both
+  generate exactly the same number of tokens per prompt from the same prompt token ids (EOS
+  ignored; llama.cpp's own tokenization is checked against ours), and tokens/s divides the
+  generated tokens by the time of prefill plus generation, sampling included, model loading
+  excluded, on both sides. Step costs: `llama-bench` at the same prompt length, context and
+  batch sizes, with flash attention on and off (`-fa on|off`).
+- **llama.cpp at its best.** Plain decoding and `llama-speculative-simple` with the draft
+  model (`--spec-type draft-simple`, a sweep of `--spec-draft-n-max`) and with its n-gram
+  proposers (`ngram-simple`, `ngram-mod`), each with `-fa on` and `-fa off`; the best by median
+  is its headline figure. Built by `scripts/llamacpp.py` from the `llama-cpp-python` sdist.
+- Goals (same run, greedy, batch 1, HumanEval): the Qwen pair's best configuration >= 2.5x
+  llama.cpp's best end to end, with tokens identical to our plain decoding; SmolLM2 decode <=
+  0.5x llama.cpp's ms/token; verify of 8 tokens <= 1.5x a decode step on both models. No
+  verdict is given for a run during which other processes kept the cores busy: llama.cpp's
+  threads wait for each other at every barrier and slow several-fold when a core is taken.
+
+Earlier runs (float32, the kernel A/B tables, the hand-pasted `-xeon` tables, all before the
+page-pool KV cache of `c3bae87`) are in git: `git show 231510b:docs/benchmarks.md`.
 """
+
+
+@dataclass(frozen=True)
+class Group:
+    """Sections of the page whose keys match ``pattern``: at most ``keep`` of them, newest first,
+    under ``heading`` (a ``##`` line), or ``empty`` where there are none yet."""
+
+    heading: str | None
+    pattern: str
+    keep: int
+    empty: str = ""
+
+
+# How keys written by ``cpu_class`` end: one section per CPU class, and no key of the page's
+# earlier layout (keyed by hand, ``-xeon``) falls into a group.
+_CPU = r"-(?:intel|amd|cpu)-(?:avx512|avx2|x86)"
+
+HEADLINE = (
+    Group(
+        "SmolLM2-135M-Instruct: step costs against llama.cpp",
+        rf"bench_cpu-smollm2-.+{_CPU}",
+        3,
+        "`python scripts/bench_cpu.py --model smollm2 --activations int8 --repeats 15 "
+        "--write docs/benchmarks.md`",
+    ),
+    Group(
+        "Qwen2.5-Coder-1.5B-Instruct: step costs against llama.cpp",
+        rf"bench_cpu-qwen1\.5b-.+{_CPU}",
+        3,
+        "`python scripts/bench_cpu.py --model qwen1.5b --activations int8 --repeats 5 "
+        "--write docs/benchmarks.md`",
+    ),
+    Group(
+        "Qwen2.5-Coder-1.5B with the 0.5B draft: speculative decoding end to end on HumanEval",
+        rf"bench_speculative-qwen-.+{_CPU}",
+        3,
+        "`python scripts/bench_speculative.py --activations int8 --draft-quantization q4 "
+        "--draft-lm-head q4 --draft-lm-head-vocab 100000 --rounds 3 --write docs/benchmarks.md`",
+    ),
+)
+OTHER = (
+    Group(
+        "Other measurements",
+        rf"bench_speculative-smollm2-self-.+{_CPU}",
+        1,
+        "Each section carries its date and commit: compare them with the headline tables' before "
+        "relying on one.",
+    ),
+    Group(None, r"bench_adaptive.*", 1),
+    Group(None, r"bench_async-.+", 1),
+    Group(None, r"bench_detokenize", 1),
+)
+OTHER_NOTE = (
+    "Measured elsewhere: serving under load (`mlc-spec bench serve` writes `results.md` and its "
+    "plots into `--output-dir`; the README's plot is `docs/serve_bench.png`, drawn from "
+    "`docs/serve_bench.json` of 2026-11-22 on a heavily shared machine) and the n-gram index "
+    "(`python scripts/bench_ngram.py` prints its table: the native index 0.7-0.8 µs a step at "
+    "1k-16k tokens of context, 25-40x the numpy scan, 2026-11-21). Async scheduling "
+    "(`scripts/bench_async.py --write`, 2026-11-22): 0.98-1.07x of synchronous steps on 2 cores, "
+    "where the forward keeps both cores busy and the host's share of a step was 0-2%. The "
+    "fidelity of int8 activations against llama.cpp's own: docs/quantization.md "
+    "(`scripts/bench_fidelity.py`)."
+)
+
+# What was tried and left out, one line each: what, its measured effect, when. Kernel A/B tables
+# no longer live on the page; their outcome does (the runs themselves are in git's history).
+TRIED = (
+    "software prefetch of the int8 weight stream 2-8 groups ahead: no measurable gain (the "
+    "code prefetch 4 KB ahead, kept, gave 0.65-0.99x per layer) (2026-11-23)",
+    "weights in transparent huge pages (`MADV_HUGEPAGE`): Qwen decode 40.0/37.7/40.6 ms against "
+    "39.2/36.9/39.1 with 4 KB pages (2026-11-23)",
+    "AVX2 int8 passes of 8 rows (and 8-row prefill tiles): faster alone, not in the whole "
+    "model; AVX2 keeps 4 (2026-11-23)",
+    "two vectors per sweep at 5-6 rows: registers crowded; one vector verifies 5/6 Qwen tokens "
+    "in 0.84x/0.86x the time (2026-11-23)",
+    "Q4_1 swept 2 vectors at 4-7 rows (Intel VNNI): 0.76-0.91x alone, even with 4 vectors once "
+    "the code prefetch came, removed (2026-11-23)",
+    "sweeps of 1 or 2 vectors at 4-8 rows: 4 fastest or within a few percent (Q6_K: 2 vectors up "
+    "to 1.23x slower) (2026-11-24)",
+    "the int8 dot's float conversion as a bias subtraction instead of `vcvtdq2ps`: 0.98-1.02x, "
+    "that port is not the bound (2026-11-24)",
+    "two accumulation chains per dot: 0.93-0.95x the time, superseded by the rows advancing "
+    "together (`c505b51`) (2026-11-24)",
+    "prefetch distances of 8-16 KB (L2) and 0.5-2 KB (L1): alike, 0.99-1.03x (2026-11-24)",
+    "L1-only prefetches spread over the rows: 1.1-1.2x the time on DRAM-bound shapes (Qwen's "
+    "down projection, LM heads) (2026-11-24)",
+    "`prefetcht1` (L2) in place of the L1 code prefetch: LM head from DRAM 0.85-0.96x, but "
+    "SmolLM2 (resident in L3) verify 2/4 1.06x (2026-11-24)",
+    "L2 prefetches with locality 1 instead of 2: 0.96-0.99x alone, no better than the scale "
+    "prefetch in the whole model (2026-11-24)",
+    "AMX-INT8 for the int8 matmul: same bits, 1.2-2x slower at 2-8 rows (one tile multiply per "
+    "32-column group) (2026-11-24)",
+    "activation quantization 16 groups at a time: the kernel 0.61-0.65x, whole verify 8 1.002x, "
+    "~5 s more compile per kernel (2026-11-24)",
+    "8-lane (ymm) tiles in the paged attention kernel: 12.4 against 10.2 µs at 4 rows, 19.3 "
+    "against 15.9 µs at 8 (2026-11-24)",
+    "two accumulator sets for the attention values (16 chains): 1.00x (2026-11-24)",
+    "two query rows side by side in the paged prefill kernel: 31 -> 41 µs for 8 rows, spills "
+    "(2026-11-23)",
+    "even and odd keys' values summed apart: no change (2026-11-23)",
+    "every ragged chunk as a whole one, reading past its keys: 1.12-1.22x at 2-9 rows (2026-11-24)",
+    "ragged attention tasks of 4 rows instead of 8: 1.01-1.24x (2026-11-24)",
+    "TVM's softmax-state merge with vector blends: 1.06 against 0.97 µs for 8 rows, bound by "
+    "`exp2`/`log2` (2026-11-24)",
+    "SiLU without its division: 1.80 against 2.10 µs at 4 rows, bound by `exp`, ~0.01-0.03 ms a "
+    "step; not built (2026-11-24)",
+    "a page split of the paged kernel, a RoPE frequency table, fused small kernels: each "
+    "estimated <= 0.05 ms of a SmolLM2 verify 8; not built (2026-11-24)",
+    "a draft LM head scoring the first 65536 ids: 3% shorter accepted runs (3.74 -> 3.61 at "
+    "k=4), no faster end to end than 100000, which is kept (2026-11-23)",
+    "llama.cpp's AMX path (`GGML_NATIVE` on a Sapphire Rapids VM): illegal instruction or "
+    "segfault at the first prefill; the reference is built without AMX (2026-11-23)",
+)
 
 
 def usable_cores() -> int:
@@ -31,30 +187,48 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def _busy_seconds() -> float:
+    """CPU seconds that all cores have spent busy since boot (/proc/stat, less idle and
+    iowait)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(t) for t in stat.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 @dataclass(frozen=True)
 class StartLoad:
     """What ran beside a benchmark as it started: cores kept busy over the last second (this
     process sleeping), and the 1-minute load average. The flag goes by the first: the load
-    average lags, and stays near 1 for a minute after the previous benchmark ended."""
+    average lags, and stays near 1 for a minute after the previous benchmark ended. The
+    counters at its end let ``other_work`` tell how busy other processes kept the cores over
+    the whole run: all busy CPU time less this process's and its children's."""
 
     busy_cores: float
     load_average: float
+    wall: float = 0.0
+    busy: float = 0.0
+    own: float = 0.0
+
+    def other_work(self) -> float:
+        """Cores kept busy by other processes since the start, on average."""
+        elapsed = time.monotonic() - self.wall
+        other = (_busy_seconds() - self.busy) - (_own_seconds() - self.own)
+        return max(other, 0.0) / max(elapsed, 1e-9)
 
 
 def start_load(seconds: float = 1.0) -> StartLoad:
     """Sample /proc/stat over ``seconds`` while this process sleeps; call it before the run."""
-
-    def busy_and_total() -> tuple[int, int]:
-        with open("/proc/stat") as stat:
-            ticks = [int(t) for t in stat.readline().split()[1:]]
-        idle = ticks[3] + ticks[4]  # idle, iowait
-        return sum(ticks) - idle, sum(ticks)
-
-    busy0, total0 = busy_and_total()
+    busy0, wall0 = _busy_seconds(), time.monotonic()
     time.sleep(seconds)
-    busy1, total1 = busy_and_total()
-    share = (busy1 - busy0) / max(total1 - total0, 1)
-    return StartLoad(share * os.cpu_count(), os.getloadavg()[0])
+    busy1, wall1 = _busy_seconds(), time.monotonic()
+    share = (busy1 - busy0) / max(wall1 - wall0, 1e-9)
+    return StartLoad(share, os.getloadavg()[0], wall1, busy1, _own_seconds())
 
 
 def lscpu_fields() -> dict[str, str]:
@@ -65,29 +239,75 @@ def lscpu_fields() -> dict[str, str]:
     }
 
 
+def cpu_class() -> str:
+    """A short label for the class of this CPU, which keys the page's tables: the figures of an
+    AVX-512 Xeon, a Zen 4 and an AVX2-only EPYC differ by more than any change being judged.
+    Vendor and widest vector ISA, e.g. ``amd-avx512``, ``amd-avx2``, ``intel-avx512``."""
+    cpu = lscpu_fields()
+    flags = set(cpu.get("Flags", "").split())
+    vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(cpu.get("Vendor ID", ""), "cpu")
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "x86"
+    return f"{vendor}-{isa}"
+
+
+def commit() -> str:
+    """The checked-out commit, and whether the code that builds or runs a model differs from
+    it: a figure belongs to the code that produced it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+        if done.returncode:
+            raise OSError(done.stderr)
+        return done.stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "compiler", "models", "runtime")
+    except OSError:
+        return "unknown (not a git checkout)"
+    return f"`{head}`" + (" with uncommitted changes in compiler/models/runtime" if dirty else "")
+
+
 def machine_context(load: StartLoad, software: str, threads: str) -> list[str]:
-    """Where and how it ran: date, CPU and its vector extensions, load, versions, threads,
-    command, and a warning when other processes competed for the cores."""
+    """Where and how it ran: date, commit, CPU and its vector extensions, load, versions,
+    threads, command, and a warning when other processes competed for the cores."""
     cpu = lscpu_fields()
     vector = [f for f in cpu["Flags"].split() if f.startswith(("avx", "sse4", "fma", "amx"))]
     date = subprocess.run(["date", "-u"], capture_output=True, text=True, check=True).stdout
     cores = usable_cores()
+    during = load.other_work() if load.wall else 0.0
     lines = [
-        f"- Date: {date.strip()}",
-        f"- Machine: `{cpu['Model name']}` (lscpu model name), {cores} cores, no GPU; vector "
-        f"flags {' '.join(vector)}; when the run started, "
-        f"{load.busy_cores:.2f} cores busy with other work over a second (1-minute load average "
-        f"{load.load_average:.2f})",
+        f"- Date: {date.strip()}; commit {commit()}",
+        f"- Machine: `{cpu['Model name']}` (lscpu model name, class `{cpu_class()}`), {cores} "
+        f"cores, no GPU; vector flags {' '.join(vector)}; other work kept "
+        f"{load.busy_cores:.2f} cores busy in the second before the run and {during:.2f} on "
+        f"average during it (1-minute load average {load.load_average:.2f} at the start)",
         f"- Software: Python {platform.python_version()}, {software}",
         f"- Threads: {threads}",
         f"- Command: `{shlex.join(['python', *sys.argv])}`",
     ]
-    if load.busy_cores > BUSY_SHARE * cores:
+    if busy(load):
         lines.append(
             "- **Busy machine: other processes competed for the cores, which distorts the "
             "figures and the ratios; re-run on a quiet machine.**"
         )
     return lines
+
+
+def busy(load: StartLoad) -> bool:
+    """Whether other processes kept more than ``BUSY_SHARE`` of the cores busy before or during
+    the run. llama.cpp's threads wait for each other at every barrier, so a core taken away
+    from it slows it several-fold (seen: SmolLM2 decode at 60-70 ms against ~7 quiet) where
+    mlc-spec slows far less: such a run's ratios say nothing."""
+    during = load.other_work() if load.wall else 0.0
+    return max(load.busy_cores, during) > BUSY_SHARE * usable_cores()
+
+
+def verdict(ok: bool, load: StartLoad) -> str:
+    """A goal's verdict, withheld where other work distorted the run."""
+    if busy(load):
+        return "no verdict: **busy machine**, re-run on a quiet one"
+    return "met" if ok else "**not met**"
 
 
 def section_name(base: str, activations: str) -> str:
@@ -96,15 +316,155 @@ def section_name(base: str, activations: str) -> str:
     return base if activations == "float" else f"{base}-{activations}-activations"
 
 
+@dataclass
+class Section:
+    key: str
+    stamp: datetime  # when it was written (UTC)
+    text: str
+
+
+_SECTION = re.compile(r"<!-- (\S+):start(?: (\S+))? -->\n(.*?)\n<!-- \1:end -->", re.S)
+_DATE_LINE = re.compile(r"^- Date: (\w{3} \w{3} +\d+ [\d:]+ UTC \d{4})", re.M)
+_STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def parse_sections(text: str) -> list[Section]:
+    """The page's marked sections. One written before markers carried a stamp is dated by its
+    ``- Date:`` line, else as the oldest."""
+    found = []
+    for match in _SECTION.finditer(text):
+        key, stamp, body = match[1], match[2], match[3]
+        if stamp:
+            when = datetime.strptime(stamp, _STAMP).replace(tzinfo=timezone.utc)
+        elif date := _DATE_LINE.search(body):
+            when = datetime.strptime(date[1], "%a %b %d %H:%M:%S UTC %Y")
+            when = when.replace(tzinfo=timezone.utc)
+        else:
+            when = datetime.fromtimestamp(0, timezone.utc)
+        found.append(Section(key, when, body))
+    return found
+
+
+def _group_of(key: str, groups: tuple[Group, ...]) -> Group | None:
+    return next((g for g in groups if re.fullmatch(g.pattern, key)), None)
+
+
+def render(sections: list[Section], main_page: bool) -> str:
+    """The whole page: header, headline groups, the tried list, the other groups; each group's
+    sections newest first and at most its ``keep``. A scratch file also keeps sections of no
+    group, after the rest."""
+    by_group: dict[Group | None, list[Section]] = {}
+    for s in sections:
+        by_group.setdefault(_group_of(s.key, HEADLINE + OTHER), []).append(s)
+    parts = [DOC_HEADER.rstrip()]
+
+    def emit(group: Group | None, fallback: str = "") -> None:
+        kept = sorted(by_group.get(group, []), key=lambda s: s.stamp, reverse=True)
+        kept = kept if group is None else kept[: group.keep]
+        if group is not None and group.heading:
+            parts.append(f"## {group.heading}")
+        if fallback and (not kept or group in OTHER):
+            parts.append(fallback)
+        for s in kept:
+            parts.append(
+                f"<!-- {s.key}:start {s.stamp.strftime(_STAMP)} -->\n{s.text}\n<!-- {s.key}:end -->"
+            )
+
+    for group in HEADLINE:
+        emit(group, f"No run written yet. Reproduce: {group.empty}")
+    parts.append("## What was tried and left out\n\n" + "\n".join(f"- {t}" for t in TRIED))
+    for group in OTHER:
+        emit(group, group.empty)
+    parts.append(OTHER_NOTE)
+    if not main_page:
+        emit(None)
+    return "\n\n".join(parts) + "\n"
+
+
+def is_main_page(path: Path) -> bool:
+    return path.resolve() == PAGE.resolve()
+
+
+def is_benchmark_page(path: Path) -> bool:
+    """The page, or a file laid out like it (a scratch copy, a new file): other documents
+    (docs/quantization.md) keep their own text around the sections written into them."""
+    return is_main_page(path) or not path.exists() or path.read_text().startswith(DOC_HEADER[:13])
+
+
 def write_section(path: Path, name: str, section: str) -> None:
-    """Replace section ``name`` of ``path``, or append it; the rest of the file is kept."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = path.read_text() if path.exists() else DOC_HEADER
-    block = f"{start}\n{section}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = f"{text.rstrip()}\n\n{block}\n"
+    """Replace section ``name`` of the page at ``path`` (or add it) and re-render the page.
+
+    The main page keeps only keys of its groups: any other section is written to a scratch file
+    under ``SCRATCH`` instead (and said so on stderr), so that nothing is lost and the page
+    stays bounded. In any other document the section is replaced where it stands, or appended,
+    and the rest of the file is left as it was."""
+    if not is_benchmark_page(path):
+        path.write_text(replace_in_place(path.read_text(), name, section))
+        return
+    main_page = is_main_page(path)
+    if main_page and _group_of(name, HEADLINE + OTHER) is None:
+        scratch = SCRATCH / f"{name}.md"
+        print(
+            f"benchdoc: {name} is no section of {path} (kernel experiments go to its 'what was "
+            f"tried' list); written to {scratch}",
+            file=sys.stderr,
+        )
+        path = scratch
+        main_page = False
+    sections = parse_sections(path.read_text()) if path.exists() else []
+    sections = [s for s in sections if s.key != name]
+    sections.append(Section(name, datetime.now(timezone.utc).replace(microsecond=0), section))
+    rewrite(path, sections, main_page)
+
+
+def replace_in_place(text: str, name: str, section: str) -> str:
+    """``text`` with section ``name`` replaced, or appended where it has none."""
+    block = f"<!-- {name}:start -->\n{section}\n<!-- {name}:end -->"
+    found = re.search(
+        rf"<!-- {re.escape(name)}:start(?: \S+)? -->\n.*?<!-- {re.escape(name)}:end -->", text, re.S
+    )
+    if found is None:
+        return f"{text.rstrip()}\n\n{block}\n"
+    return text[: found.start()] + block + text[found.end() :]
+
+
+def rewrite(path: Path, sections: list[Section], main_page: bool) -> None:
+    """Render ``sections`` into the page at ``path``; a section that leaves it takes its plot
+    along (``KEY.png`` beside the page, as the scripts name them), and a page past its line
+    budget says so on stderr."""
+    text = render(sections, main_page)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    kept = {s.key for s in parse_sections(text)}
+    for s in sections:
+        plot = path.parent / f"{s.key}.png"
+        if s.key not in kept and plot.exists():
+            plot.unlink()
+            print(f"benchdoc: {s.key} left {path}, and its plot {plot} with it", file=sys.stderr)
+    lines = text.count("\n")
+    if main_page and lines > PAGE_LINES:
+        sizes = sorted((s.text.count("\n") + 1, s.key) for s in sections if s.key in kept)
+        print(
+            f"benchdoc: {path} has {lines} lines (budget {PAGE_LINES}); largest sections: "
+            + ", ".join(f"{key} ({n})" for n, key in sizes[::-1][:3]),
+            file=sys.stderr,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("page", type=Path, nargs="?", default=PAGE, help="default: the page")
+    parser.add_argument("--drop", nargs="*", default=[], metavar="KEY", help="sections to drop")
+    args = parser.parse_args()
+    sections = parse_sections(args.page.read_text()) if args.page.exists() else []
+    unknown = set(args.drop) - {s.key for s in sections}
+    if unknown:
+        parser.error(f"no such sections: {', '.join(sorted(unknown))}")
+    main_page = is_main_page(args.page)
+    rewrite(args.page, [s for s in sections if s.key not in args.drop], main_page)
+    kept = parse_sections(args.page.read_text())
+    print(f"{args.page}: {len(kept)} sections, {args.page.read_text().count(chr(10))} lines")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,14 +3,28 @@
 The source is the ``llama-cpp-python`` sdist's vendored llama.cpp (fetched with pip, so it works
 where only package registries are reachable), built with CMake for this CPU into
 ``~/.cache/mlc-spec/llama.cpp-<version>/``. A build whose binaries exist is reused, so only the
-first call costs its ~5 minutes on 2 cores. The runners return figures parsed from llama.cpp's
-own output and the child's peak RSS:
+first call costs its ~10 minutes on 2 cores. The runners return figures parsed from llama.cpp's
+own output and the child's peak RSS; each runs with flash attention ``on`` or ``off`` (``-fa``;
+llama.cpp's default ``auto`` turns it on where the backend supports it):
 
 - ``bench``: ``llama-bench`` prefill, decode and K-token batches (``-o json``);
-- ``speculative``: ``llama-speculative-simple``, a draft model proposing for the target, greedy;
-- ``plain``: ``llama-completion`` on the same prompt, greedy, no speculation.
+- ``plain``: ``llama-completion``, greedy, no speculation, exactly N tokens;
+- ``speculative``: ``llama-speculative-simple`` with a draft model (``draft-simple``) or one of
+  its n-gram proposers (``ngram-simple``, ``ngram-mod``, ...), greedy, N tokens or a few more.
 
-    python scripts/llamacpp.py [GGUF]   # build, then print llama-bench's figures for GGUF
+What their timings mean, read from this version's source. ``llama-completion``'s ``total time``
+runs from its timers' reset after loading and warm-up to the end of generation: prompt
+tokenization and evaluation, generation, sampling, printing (``load time`` apart).
+``llama-speculative-simple``'s ``encoded`` covers the target's pass over the prompt (all but its
+last token) and the proposer's (the draft model evaluates it too), ``decoded`` the generation
+loop from the last prompt token on, drafting, verification and sampling included. Both runners
+use the sum: prefill plus generation, as mlc-spec's wall time of a ``generate`` call.
+``llama-speculative-simple -n N`` generates N + 1 tokens (it drafts at most what is left, then
+takes one more step), so it is asked for N - 1; but its draft model ignores a budget of zero
+and drafts n_max tokens anyway, so ``draft-simple`` may end up to n_max + 1 tokens past N:
+``Generation.seconds_for`` then scales the generation time down to N tokens.
+
+    python scripts/llamacpp.py [GGUF] [--fa on|off]   # build, then llama-bench's figures
 """
 
 from __future__ import annotations
@@ -18,19 +32,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchdoc import lscpu_fields
 from peak_rss import gib, run_measured
-
-from mlc_spec.compiler.pypi_models import default_cache_dir
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}"
@@ -46,10 +59,16 @@ NATIVE_FLAGS = (
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BUILD_JOBS = 2
 CONTEXT = 4096  # tokens of KV cache for the generation runners: prompt + output fit
+FLASH_ATTN = ("off", "on")  # the -fa settings the benchmarks compare
 
 
 def cache_dir() -> Path:
-    return default_cache_dir() / f"llama.cpp-{VERSION}"
+    """Beside the models: ``mlc_spec.compiler.pypi_models.default_cache_dir``'s rule, restated
+    because importing that module imports TVM, and the benchmarks' parent process, which runs
+    llama.cpp, keeps TVM out."""
+    env = os.environ.get("MLC_SPEC_CACHE")
+    root = Path(env) if env else Path.home() / ".cache" / "mlc-spec"
+    return root / f"llama.cpp-{VERSION}"
 
 
 def cmake_flags() -> tuple[str, ...]:
@@ -129,6 +148,7 @@ def bench(
     n_gen: int = 64,
     reps: int = 5,
     batch_ks: tuple[int, ...] = (),
+    flash_attn: str = "on",
 ) -> BenchFigures:
     """``llama-bench`` on ``gguf``: prefill of ``n_prompt`` tokens into an empty cache, and, at a
     context of ``n_prompt`` tokens, ``n_gen`` decode steps and one batch of each K in
@@ -140,6 +160,7 @@ def bench(
     """
     tool = str(build() / "llama-bench")
     common = ["-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json"]
+    common += ["-fa", flash_attn]
     prefill = run_measured([tool, *common, "-p", str(n_prompt), "-n", "0"])
     at_depth = ["-d", str(n_prompt), "-n", str(n_gen)]
     at_depth += ["-p", ",".join(map(str, batch_ks))] if batch_ks else ["-p", "0"]
@@ -159,61 +180,95 @@ def bench(
     )
 
 
-def median_figures(rounds: list[BenchFigures], peak_rss: int) -> BenchFigures:
-    """The median of each timed figure over rounds of ``bench``, with ``peak_rss`` (taken by
-    the caller from a run whose parent process was small: see ``peak_rss.run_measured``)."""
-    return BenchFigures(
-        decode_ms_per_token=statistics.median(r.decode_ms_per_token for r in rounds),
-        prefill_tok_s=statistics.median(r.prefill_tok_s for r in rounds),
-        batch_ms={k: statistics.median(r.batch_ms[k] for r in rounds) for k in rounds[0].batch_ms},
-        peak_rss=peak_rss,
-    )
-
-
 @dataclass
 class Generation:
-    """One greedy generation: tokens generated, seconds for prompt and generation (model loading
-    excluded), the generated text, speculation counters where any, and peak RSS."""
+    """One greedy generation: tokens generated, seconds of prefill and of generation (model
+    loading excluded), the generated text, the prompt's token ids as llama.cpp tokenized them
+    (where the runner prints them), speculation counters where any, and peak RSS."""
 
     tokens: int
     prompt_s: float
     generate_s: float
     text: str
     peak_rss: int
+    prompt_ids: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
 
     @property
     def seconds(self) -> float:
-        """Prompt processing plus generation: what mlc-spec's tokens/s divides by too."""
         return self.prompt_s + self.generate_s
 
+    def seconds_for(self, n_tokens: int) -> float:
+        """Prefill plus the generation of the first ``n_tokens`` tokens, taking the generation's
+        tokens as equally dear where it generated more."""
+        share = min(1.0, n_tokens / self.tokens)
+        return self.prompt_s + self.generate_s * share
 
-GREEDY = ("--temp", "0", "--top-k", "1", "--seed", "0")
+
+GREEDY = ("--temp", "0", "--top-k", "1", "--seed", "0", "--ignore-eos")
 
 
-def same_text(a: str, b: str) -> bool:
-    """Whether two greedy generations agree as far as the shorter goes: where one reaches
-    ``-n`` first, llama-speculative-simple overshoots it by up to n_max tokens."""
-    shorter, longer = sorted((a, b), key=len)
-    return longer.startswith(shorter)
+def plain(
+    gguf: Path, prompt: str, n_tokens: int, threads: int = 2, flash_attn: str = "on"
+) -> Generation:
+    """``llama-completion`` on ``prompt`` without speculation: exactly ``n_tokens`` tokens,
+    greedy, EOS ignored. Its ``--verbose-prompt`` listing gives the prompt's token ids."""
+    cmd = [str(build() / "llama-completion"), "-m", str(gguf), "-p", prompt]
+    cmd += ["-n", str(n_tokens), "-t", str(threads), "-c", str(CONTEXT), "-fa", flash_attn]
+    cmd += [*GREEDY, "-no-cnv", "--no-display-prompt", "--verbose-prompt"]
+    done = run_measured(cmd)
+    log = done.stderr
+    total_ms = float(_match(r"perf_print:\s+total time =\s+([\d.]+) ms", log))
+    prompt_ms = float(_match(r"perf_print: prompt eval time =\s+([\d.]+) ms", log))
+    runs = _match(r"perf_print:\s+eval time =\s+[\d.]+ ms /\s+(\d+) runs", log)
+    # The first generated token comes from the prompt's logits; each later one is an eval run.
+    # What is not prompt evaluation (generation, sampling, the rest) counts as generation.
+    return Generation(
+        tokens=int(runs) + 1,
+        prompt_s=prompt_ms / 1e3,
+        generate_s=(total_ms - prompt_ms) / 1e3,
+        # it prints the generation, " [end of text]\n" if it ended there, then two newlines
+        text=done.stdout.removesuffix("\n\n").removesuffix(" [end of text]\n"),
+        peak_rss=done.peak_rss,
+        prompt_ids=_prompt_ids(log),
+    )
+
+
+# Speculation as llama-speculative-simple's flags: the draft model's, and its n-gram proposers'
+# at their defaults and with lookups about the size of mlc-spec's prompt lookup (n-grams of up
+# to 3 tokens, up to 4 drafted).
+def draft_simple(n_max: int) -> list[str]:
+    return ["--spec-type", "draft-simple", "--spec-draft-n-max", str(n_max)]
+
+
+NGRAM = {
+    "ngram-simple": ["--spec-type", "ngram-simple"],
+    "ngram-simple-3-4": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+    + ["--spec-ngram-simple-size-m", "4"],
+    "ngram-mod": ["--spec-type", "ngram-mod"],
+    "ngram-mod-3-4": ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "3"]
+    + ["--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", "4"],
+}
 
 
 def speculative(
     target_gguf: Path,
-    draft_gguf: Path,
     prompt: str,
-    n_predict: int,
-    draft_n_max: int,
+    n_tokens: int,
+    spec: list[str],
+    draft_gguf: Path | None = None,
     threads: int = 2,
+    flash_attn: str = "on",
 ) -> Generation:
-    """``llama-speculative-simple``: the draft proposes ``draft_n_max`` tokens a step
-    (``--spec-type draft-simple``, default minimum draft probability 0), the target verifies
-    them in one batch; greedy. It stops once it has more than ``n_predict`` tokens."""
-    cmd = [str(build() / "llama-speculative-simple"), "-m", str(target_gguf)]
-    cmd += ["-md", str(draft_gguf), "--spec-type", "draft-simple"]
-    cmd += ["--spec-draft-n-max", str(draft_n_max), "-p", prompt, "-n", str(n_predict)]
-    cmd += ["-t", str(threads), "-td", str(threads), "-c", str(CONTEXT), *GREEDY]
+    """``llama-speculative-simple`` with the proposer ``spec`` (``draft_simple(n)`` with
+    ``draft_gguf``, or one of ``NGRAM``): ``n_tokens`` tokens (``draft-simple`` may overshoot,
+    see the module's docstring), greedy, EOS ignored."""
+    cmd = [str(build() / "llama-speculative-simple"), "-m", str(target_gguf), *spec]
+    if draft_gguf is not None:
+        cmd += ["-md", str(draft_gguf), "-td", str(threads)]
+    cmd += ["-p", prompt, "-n", str(n_tokens - 1), "-t", str(threads), "-c", str(CONTEXT)]
+    cmd += ["-fa", flash_attn, *GREEDY]
     done = run_measured(cmd)
     log = done.stderr
     encoded = _match(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
@@ -231,25 +286,11 @@ def speculative(
     )
 
 
-def plain(gguf: Path, prompt: str, n_predict: int, threads: int = 2) -> Generation:
-    """``llama-completion`` on the same prompt without speculation, greedy."""
-    cmd = [str(build() / "llama-completion"), "-m", str(gguf), "-p", prompt]
-    cmd += ["-n", str(n_predict), "-t", str(threads), "-c", str(CONTEXT), *GREEDY]
-    cmd += ["-no-cnv", "--no-display-prompt"]
-    done = run_measured(cmd)
-    log = done.stderr
-    prompt_ms = _match(r"prompt eval time =\s+([\d.]+) ms", log)
-    eval_ms = _match(r"perf_print:\s+eval time =\s+([\d.]+) ms", log)
-    runs = _match(r"perf_print:\s+eval time =\s+[\d.]+ ms /\s+(\d+) runs", log)
-    # The first generated token comes from the prompt's logits; each later one is an eval run.
-    return Generation(
-        tokens=int(runs) + 1,
-        prompt_s=float(prompt_ms) / 1e3,
-        generate_s=float(eval_ms) / 1e3,
-        # it prints the generation, " [end of text]\n" if it ended there, then two newlines
-        text=done.stdout.removesuffix("\n\n").removesuffix(" [end of text]\n"),
-        peak_rss=done.peak_rss,
-    )
+def same_text(a: str, b: str) -> bool:
+    """Whether two greedy generations agree as far as the shorter goes (one of
+    llama-speculative-simple's may run past the token limit)."""
+    shorter, longer = sorted((a, b), key=len)
+    return longer.startswith(shorter)
 
 
 def _match(pattern: str, text: str) -> str:
@@ -257,6 +298,16 @@ def _match(pattern: str, text: str) -> str:
     if found is None:
         raise RuntimeError(f"llama.cpp's output lacks /{pattern}/:\n{text[-2000:]}")
     return found[1]
+
+
+def _prompt_ids(log: str) -> list[int]:
+    """The ids of ``--verbose-prompt``'s listing: a count line, then one ``ID -> 'piece'`` line
+    per token (a piece holding a newline continues on unprefixed lines)."""
+    count = re.search(r"number of tokens in prompt = (\d+)\n", log)
+    if count is None:
+        raise RuntimeError(f"no --verbose-prompt listing in llama.cpp's output:\n{log[-2000:]}")
+    lines = re.finditer(r"^(?:[\d.]+ I )?\s*(\d+) -> '", log[count.end() :], re.M)
+    return [int(m[1]) for m in lines][: int(count[1])]
 
 
 def _generated_text(stdout: str, prompt: str) -> str:
@@ -272,11 +323,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gguf", type=Path, nargs="?", help="a GGUF to run llama-bench on")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fa", choices=FLASH_ATTN, default="on", help="flash attention")
     args = parser.parse_args()
     bin_dir = build()
     print(f"binaries in {bin_dir}")
     if args.gguf:
-        figures = bench(args.gguf, threads=args.threads, batch_ks=(2, 4, 8))
+        figures = bench(args.gguf, threads=args.threads, batch_ks=(2, 4, 8), flash_attn=args.fa)
         print(describe_build())
         print(f"decode {figures.decode_ms_per_token:.2f} ms/token at depth 128")
         print(f"prefill {figures.prefill_tok_s:.1f} tokens/s (128 tokens)")
@@ -287,3 +339,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def build_target(target: str) -> Path:
+    """The path of binary ``target``, built into the same tree as ``TARGETS`` if missing: tools
+    that one benchmark alone needs (``llama-quantize`` for bench_fidelity's F32 reference)
+    cost their minutes of building only where they are used."""
+    binary = build() / target
+    if not binary.exists():
+        print(f"building llama.cpp's {target} (a few minutes)", file=sys.stderr)
+        subprocess.run(
+            ["cmake", "--build", cache_dir() / "build", f"-j{BUILD_JOBS}", "--target", target],
+            check=True,
+        )
+    return binary
