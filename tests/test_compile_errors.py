@@ -226,7 +226,8 @@ def test_validate_fills_in_the_targets_defaults():
 
 
 def test_source_defaults_fill_only_what_was_not_given():
-    hf, gguf = SimpleNamespace(stored_formats={}), SimpleNamespace(stored_formats={"w": None})
+    hf = SimpleNamespace(stored_formats={}, source_hash="0" * 64)
+    gguf = SimpleNamespace(stored_formats={"w": None}, source_hash="0" * 64)
     options = CompileOptions().validate("llvm")
     target = options.tvm_target("llvm")
     filled = options.with_source_defaults(hf, target)
