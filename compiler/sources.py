@@ -425,6 +425,27 @@ def _save_gguf_tokenizer(path: Path, out_dir: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        pre = _gguf_value(gguf.GGUFReader(path, "r"), path, "tokenizer.ggml.pre", None)
     except (OSError, ValueError, KeyError) as e:
         raise CompileError(f"cannot read the tokenizer from {path}: {e}") from None
+    if pre in _PRE_TOKENIZERS:
+        tokenizer.backend_tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.save_pretrained(out_dir)
+
+
+def _smollm_pre_tokenizer():
+    """SmolLM's: every digit apart, then GPT-2's byte-level split, as its own tokenizer.json
+    and llama.cpp (``LLAMA_VOCAB_PRE_TYPE_SMOLLM``) split text."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+
+
+# GGUF pre-tokenizers (``tokenizer.ggml.pre``) that transformers rebuilds as a plain byte-level
+# split, which merges digits these vocabularies were trained to see one by one.
+_PRE_TOKENIZERS = {"smollm": _smollm_pre_tokenizer}

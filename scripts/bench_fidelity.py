@@ -13,7 +13,7 @@ reference format), run with every activation and the KV cache in f32.
 - Positions: llama-perplexity's: each chunk from an empty cache, the second half scored
   (255 positions a chunk). The token ids are those llama.cpp tokenized and the base file
   records; ours are fed exactly those, and the script reports whether our tokenizer gives the
-  same (for SmolLM2 it does not: docs/quantization.md). A GGUF that asks for BOS is refused:
+  same. A GGUF that asks for BOS is refused:
   llama-perplexity would put BOS in place of each chunk's first token, which is not mirrored.
 - llama.cpp: ``llama-perplexity --kl-divergence`` on the shipped GGUF (its own mean KL and
   same-top figures), once as it runs by default (KV cache f16, flash attention auto) and once

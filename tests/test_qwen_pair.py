@@ -6,7 +6,8 @@ on code should agree with its target most of the time, or speculation cannot pay
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,10 @@ SIZE = {"max_batch_size": 1, "max_total_len": 4096}
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    """A module of ``scripts/``, whose modules import each other by name."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")

@@ -327,6 +327,12 @@ def test_smollm2_save_tokenizer(smollm2, tmp_path):
     assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("Hello world").ids == want
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     assert reloaded("Hello world")["input_ids"] == want
+    # The GGUF's pre-tokenizer ("smollm") splits digits off before the byte-level split, as
+    # llama.cpp and SmolLM2's own tokenizer.json do, so an indent before a digit stays whole;
+    # transformers' GGUF reader alone splits the indent's last space off ("ĠĠĠ", "Ġ", "1").
+    tokens = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("    1").tokens
+    assert tokens == ["ĠĠĠĠ", "1"]
+    assert reloaded.tokenize("    1") == tokens
     tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert tok_config["chat_template"] == source.chat_template
     assert "<|im_start|>" in source.chat_template
