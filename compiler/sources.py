@@ -92,6 +92,8 @@ class ModelSource:
     stored: Mapping[str, QuantizedTensor | np.ndarray] = dataclasses.field(default_factory=dict)
     stored_formats: dict[str, GroupFormat | None] = dataclasses.field(default_factory=dict)
     stored_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # A GGUF's ``tokenizer.ggml.pre``: how its text is split before the merges.
+    pre_tokenizer: str | None = None
 
     def save_tokenizer(self, out_dir: Path) -> None:
         """Write tokenizer.json, tokenizer_config.json (with the chat template inline) and
@@ -105,7 +107,7 @@ class ModelSource:
                 if (self.path / name).is_file():
                     shutil.copyfile(self.path / name, out_dir / name)
         else:
-            _save_gguf_tokenizer(self.path, out_dir)
+            _save_gguf_tokenizer(self.path, self.pre_tokenizer, out_dir)
         # The template goes inline in tokenizer_config.json (not chat_template.jinja, which
         # transformers 5 writes), where both old and new readers look for it.
         config_path = out_dir / "tokenizer_config.json"
@@ -356,6 +358,7 @@ def _load_gguf(path: Path) -> ModelSource:
         source_hash=sha256_files([path]),
         path=path,
         chat_template=_gguf_value(reader, path, "tokenizer.chat_template", None),
+        pre_tokenizer=_gguf_value(reader, path, "tokenizer.ggml.pre", None),
         stored=LazyTensors(stored),
         stored_formats=formats,
         stored_shapes=shapes,
@@ -420,12 +423,11 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _save_gguf_tokenizer(path: Path, out_dir: Path) -> None:
+def _save_gguf_tokenizer(path: Path, pre: str | None, out_dir: Path) -> None:
     from transformers import AutoTokenizer  # slow to import; only needed here
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        pre = _gguf_value(gguf.GGUFReader(path, "r"), path, "tokenizer.ggml.pre", None)
     except (OSError, ValueError, KeyError) as e:
         raise CompileError(f"cannot read the tokenizer from {path}: {e}") from None
     if pre in _PRE_TOKENIZERS:
