@@ -225,6 +225,8 @@ class Engine:
             raise UserError("the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.target.vocab_size:
             raise UserError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        if any(not 0 <= t < self.target.vocab_size for t in params.stop_token_ids):
+            raise UserError(f"stop_token_ids must be in [0, {self.target.vocab_size})")
         total = len(ids) + params.max_tokens
         if total > self.target.context_length:
             raise UserError(

@@ -51,6 +51,8 @@ class SamplingParams:
             raise ParamsError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.n < 1:
             raise ParamsError(f"n must be at least 1, got {self.n}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ParamsError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ParamsError("stop strings must not be empty")
         if self.logprobs is not None and self.logprobs < 0:

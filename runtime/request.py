@@ -38,7 +38,8 @@ class Sequence:
         self.output = output  # text, logprobs and what was streamed: the output processor's
         self.stats = SpecStats()
         seed = request.params.seed
-        entropy = None if seed is None else [seed, index]
+        # A negative seed (OpenAI allows any int64) stands for its two's complement.
+        entropy = None if seed is None else [seed % 2**64, index]
         # Target sampling and acceptance draw from one stream, the draft from another, so a
         # seed gives the same output whatever else shares the batch.
         self.rng = np.random.default_rng(entropy)

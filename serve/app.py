@@ -2,15 +2,20 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (``"stream": true`` as server-sent
 events), GET /v1/models, /health, /metrics (Prometheus). Every error is OpenAI's error object:
-400 for bad input, 404 for an unknown model or route, 503 with ``Retry-After`` when the
-waiting queue is full. What is specific to this engine is written here; HTTP, validation and
-metrics exposition are the libraries'.
+400 for bad input, 401 without the API key, 404 for an unknown model or route, 413 for a body
+past ``max_request_bytes``, 503 with ``Retry-After`` when the waiting queue is full or the
+server is shutting down. No request can stall the others: bodies are bounded before they are
+read whole, prompts are tokenized off the event loop, and a client that stops reading is cut
+off once its unread output passes a bound. What is specific to this engine is written here;
+HTTP, validation and metrics exposition are the libraries'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -26,7 +31,8 @@ from starlette.exceptions import HTTPException
 from mlc_spec.errors import UserError
 from mlc_spec.runtime.llm import LLM
 
-from .async_engine import AsyncEngine, Overloaded, RequestStream
+from .async_engine import AsyncEngine, Overloaded, RequestStream, StreamEnded
+from .guards import ApiKeyRequired, BodyLimit, too_large
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -37,11 +43,40 @@ from .protocol import (
     ModelList,
 )
 from .responses import ResponseBuilder
+from .shutdown import GracefulServer
 
 T = TypeVar("T")
 
 RETRY_AFTER_SECONDS = 1
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    503: "overloaded_error",
+}
+# Unicode normalization (NFC) can fold up to three characters into one before tokenizing.
+_NORMALIZATION_FOLD = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """What ``mlc-spec serve`` bounds; defaults are the CLI's."""
+
+    max_waiting: int = 256
+    max_request_bytes: int = 4 << 20
+    max_stream_backlog: int = 1024  # tokens produced for a stream and not yet sent
+    shutdown_timeout: float = 30.0
+    api_key: str | None = None
+    enable_docs: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_request_bytes", "max_stream_backlog"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise UserError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
 
 class ModelNotFound(Exception):
@@ -60,29 +95,51 @@ def error_response(
     return JSONResponse(ErrorResponse(error=error).model_dump(), status, headers)
 
 
-def build_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
+def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) -> FastAPI:
     """The app; its engine thread runs from startup to shutdown (``app.state.engine``)."""
     metrics = ServerMetrics(model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.engine = AsyncEngine(llm.engine, metrics, max_waiting)
+        app.state.engine = AsyncEngine(
+            llm.engine, metrics, config.max_waiting, config.max_stream_backlog
+        )
         yield
         app.state.engine.shutdown()
 
-    app = FastAPI(title="mlc-spec", lifespan=lifespan)
+    docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="mlc-spec", lifespan=lifespan, **docs)
+    # The last added runs first: the key is checked before the size.
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes, error=error_response)
+    if config.api_key:
+        app.add_middleware(ApiKeyRequired, api_key=config.api_key, error=error_response)
     app.state.metrics = metrics
     context_length = llm.model.context_length
     tokenizer = llm.tokenizer
+    longest_text = context_length * tokenizer.longest_token_chars * _NORMALIZATION_FOLD
+    request_models = {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+    }
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0]
-        loc = [str(p) for p in first["loc"] if p != "body"]
-        where = f"{'.'.join(loc)}: " if loc else ""
-        return error_response(
-            400, where + first["msg"].removeprefix("Value error, "), ".".join(loc) or None
-        )
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        # The most specific error: of a union's members, the one that matched the input's shape.
+        first = max(err.errors(), key=lambda e: len(e["loc"]))
+        if first["type"] == "json_invalid":
+            where = f" at character {first['loc'][-1]}" if len(first["loc"]) > 1 else ""
+            return error_response(
+                400, f"the body is not valid JSON: {first['ctx']['error']}{where}"
+            )
+        # Union members (``str``, ``function-after[...]``) name no field a client sent.
+        loc = [str(p) for p in first["loc"][1:] if not _is_union_tag(p)]
+        message = first["msg"].removeprefix("Value error, ")
+        model = request_models.get(request.url.path)
+        allowed = model.allowed_range(loc[0]) if model and len(loc) == 1 else None
+        if allowed and first["type"] != "int_type" and first["type"] != "float_type":
+            message += f" (allowed: {allowed})"
+        field = ".".join(loc)
+        return error_response(400, f"{field}: {message}" if field else message, field or None)
 
     @app.exception_handler(UserError)
     async def _user_error(_: Request, err: UserError) -> JSONResponse:
@@ -94,11 +151,17 @@ def build_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
 
     @app.exception_handler(Overloaded)
     async def _overloaded(_: Request, err: Overloaded) -> JSONResponse:
-        message = f"server overloaded: {err}; retry later"
+        message = f"server unavailable: {err}; retry later"
         return error_response(503, message, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    @app.exception_handler(StreamEnded)
+    async def _ended(_: Request, err: StreamEnded) -> JSONResponse:
+        return error_response(err.status, str(err))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
+        if err.status_code == 413:  # a chunked body, past the limit as it was read
+            return error_response(413, too_large(config.max_request_bytes))
         return error_response(err.status_code, str(err.detail))
 
     @app.exception_handler(Exception)
@@ -119,13 +182,33 @@ def build_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if isinstance(body.prompt, str):
+            _check_fits(len(body.prompt), "prompt")
+            prompt = await _tokenize(raw, tokenizer.encode, body.prompt)
+        else:
+            prompt = body.prompt
         return await _serve(raw, body, prompt, chat=False, with_logprobs=body.logprobs is not None)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        prompt = tokenizer.apply_chat_template(body.conversation())
+        conversation = body.conversation()
+        _check_fits(sum(len(m["content"]) for m in conversation), "messages")
+        prompt = await _tokenize(raw, tokenizer.apply_chat_template, conversation)
         return await _serve(raw, body, prompt, chat=True, with_logprobs=body.logprobs)
+
+    def _check_fits(num_chars: int, field: str) -> None:
+        if num_chars > longest_text:
+            raise UserError(
+                f"{field}: {num_chars} characters cannot fit in the model's context length "
+                f"{context_length}"
+            )
+
+    async def _tokenize(raw: Request, encode: Callable[[T], list[int]], text: T) -> list[int]:
+        """On a worker thread (the tokenizer releases the GIL), so that a long prompt never
+        holds up /health or the tokens of running streams; refused first when the queue is
+        full, so that an overloaded server does not tokenize what it will refuse."""
+        raw.app.state.engine.check_admission()
+        return await asyncio.to_thread(encode, text)
 
     async def _serve(
         raw: Request,
@@ -155,6 +238,10 @@ def build_app(llm: LLM, model_name: str, max_waiting: int) -> FastAPI:
     return app
 
 
+def _is_union_tag(loc: int | str) -> bool:
+    return isinstance(loc, str) and ("[" in loc or loc in ("str", "int", "float", "bool"))
+
+
 async def _collect(stream: RequestStream, builder: ResponseBuilder) -> None:
     async for delta in stream:
         builder.add(delta)
@@ -163,7 +250,9 @@ async def _collect(stream: RequestStream, builder: ResponseBuilder) -> None:
 async def _events(
     stream: RequestStream, builder: ResponseBuilder, with_logprobs: bool, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events; the client leaving cancels this, and ``close`` aborts the request."""
+    """Server-sent events. The client leaving cancels this, and ``close`` aborts the request;
+    a stream the server ends (shutdown, a failed step, a client too slow) ends with an error
+    event, then ``[DONE]``, as every stream does."""
     try:
         async for delta in stream:
             builder.add(delta)
@@ -172,8 +261,12 @@ async def _events(
                 yield f"data: {chunk.model_dump_json()}\n\n"
         if include_usage:
             yield f"data: {builder.usage_chunk().model_dump_json()}\n\n"
-    except Exception as err:  # noqa: BLE001 - the engine failed mid-stream: say so, then end
-        error = ErrorInfo(message=f"generation failed: {err}", type="server_error", code=500)
+    except Exception as err:  # noqa: BLE001 - the stream ended mid-way: say so, then end
+        status = err.status if isinstance(err, StreamEnded) else 500
+        message = str(err) if isinstance(err, StreamEnded) else f"generation failed: {err}"
+        error = ErrorInfo(
+            message=message, type=_ERROR_TYPES.get(status, "server_error"), code=status
+        )
         yield f"data: {ErrorResponse(error=error).model_dump_json()}\n\n"
     finally:
         stream.close()
@@ -199,6 +292,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # A cancelled task is not done until it has run once more: wait for that.
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         raise ClientGone
     return task.result()
@@ -209,12 +304,21 @@ def serve(
     model_name: str,
     host: str,
     port: int,
-    max_waiting: int,
+    config: ServerConfig,
     announce: Callable[[str], None] = print,
 ) -> None:
-    """Serve until interrupted; ``port`` 0 picks a free one (announced with the URL)."""
+    """Serve until SIGTERM or SIGINT; ``port`` 0 picks a free one (announced with the URL)."""
+    log = logging.getLogger("mlc_spec.serve")  # disconnects and shutdown, one line each
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     sock = socket.create_server((host, port))
+    # Inherited by every accepted connection. asyncio sets it only on sockets made with
+    # proto=IPPROTO_TCP, which create_server's are not; without it Nagle's algorithm holds a
+    # response's second write until the client's delayed ACK: 40 ms on every keep-alive request.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     announce(f"serving {model_name} on http://{host}:{sock.getsockname()[1]}/v1")
-    app = build_app(llm, model_name, max_waiting)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    app = build_app(llm, model_name, config)
+    uv_config = uvicorn.Config(app, log_level="warning", access_log=False)
+    GracefulServer(uv_config, lambda: app.state.engine, config.shutdown_timeout).run(sockets=[sock])

@@ -12,13 +12,36 @@ from __future__ import annotations
 import time
 import uuid
 from abc import abstractmethod
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import annotated_types
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlc_spec.runtime.params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+INT64 = {"ge": -(2**63), "le": 2**63 - 1}  # OpenAI's range for seed
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry a lone surrogate (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"a lone surrogate at character {err.start} is not valid Unicode text"
+        ) from None
+    return text
+
+
+_BOUNDS = (
+    (annotated_types.Ge, "ge", ">="),
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Le, "le", "<="),
+    (annotated_types.Lt, "lt", "<"),
+)
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Request(BaseModel):
@@ -32,20 +55,20 @@ class StreamOptions(_Request):
 class _SamplingRequest(_Request):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
     n: int = Field(1, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, **INT64)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
     # Accepted only at their no-op values: anything else would be silently wrong.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -69,6 +92,20 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @classmethod
+    def allowed_range(cls, field: str) -> str | None:
+        """``0 <= temperature <= 2``: a numeric field's bounds, for error messages."""
+        info = cls.model_fields.get(field)
+        if info is None:
+            return None
+        bounds = [
+            f"{field} {op} {getattr(m, attr)}"
+            for m in info.metadata
+            for kind, attr, op in _BOUNDS
+            if isinstance(m, kind)
+        ]
+        return " and ".join(bounds) or None
 
     def sampling_params(self, room: int) -> SamplingParams:
         """``room``: tokens each sample may hold after the prompt (context or KV budget)."""
@@ -94,7 +131,7 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[TokenId]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -117,12 +154,25 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """Say what is wrong in one line, not once per member of the union."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"part {i} is of type {kind!r}; this model reads text only")
+        elif not isinstance(content, str):
+            raise ValueError("must be a string or a list of text parts")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, str):

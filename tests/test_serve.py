@@ -5,78 +5,15 @@ without a lost request or a leaked KV page."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from served import GREEDY, Served, serving
 
 from mlc_spec import LLM, SamplingParams
-from mlc_spec.serve.app import build_app
-
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-class Served:
-    """A server on a free loopback port, run by uvicorn on a thread of this process."""
-
-    def __init__(self, llm: LLM, max_waiting: int):
-        self.llm = llm
-        sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(
-            build_app(llm, "tiny", max_waiting), log_level="warning", access_log=False
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]})
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join()
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="-", max_retries=0)
-
-    def metrics(self) -> dict[str, float]:
-        """Samples by name and labels (the model_name label left out)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if k != "model_name")
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
-
-    def wait_idle(self) -> dict[str, float]:
-        """Metrics once no request runs or waits (the engine thread updates them each loop)."""
-        for _ in range(200):
-            m = self.metrics()
-            if m["mlc_spec:num_requests_running"] == m["mlc_spec:num_requests_waiting"] == 0:
-                return m
-            time.sleep(0.05)
-        raise AssertionError(f"requests still in flight: {m}")
-
-
-@contextlib.contextmanager
-def serving(llm: LLM, max_waiting: int = 64) -> Iterator[Served]:
-    served = Served(llm, max_waiting)
-    try:
-        yield served
-    finally:
-        served.close()
 
 
 @pytest.fixture(scope="module")

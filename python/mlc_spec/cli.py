@@ -8,6 +8,7 @@ choices, loads no TVM), so ``generate``/``serve`` run where only TVM's runtime i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import fields
@@ -73,7 +74,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from mlc_spec import LLM
-    from mlc_spec.serve.app import serve
+    from mlc_spec.serve.app import ServerConfig, serve
 
     model = args.model or _default_artifact()
     llm = LLM(
@@ -85,7 +86,15 @@ def _serve(args: argparse.Namespace) -> None:
         async_scheduling=args.async_scheduling,
     )
     name = args.served_model_name or Path(model).name
-    serve(llm, name, args.host, args.port, args.max_waiting, lambda line: print(line, flush=True))
+    config = ServerConfig(
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        max_stream_backlog=args.max_stream_backlog,
+        shutdown_timeout=args.shutdown_timeout,
+        api_key=args.api_key or os.environ.get("MLC_SPEC_API_KEY") or None,
+        enable_docs=args.enable_docs,
+    )
+    serve(llm, name, args.host, args.port, config, lambda line: print(line, flush=True))
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
@@ -234,6 +243,33 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests queued beyond the batch; past this, 503 with Retry-After (default 256)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 << 20,
+        help="bodies past this get 413 before they are read whole (default 4 MiB)",
+    )
+    p.add_argument(
+        "--max-stream-backlog",
+        type=int,
+        default=1024,
+        help="a stream whose client leaves this many tokens unread is ended (default 1024)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running streams get to finish before they are ended with an "
+        "error event; a second signal ends them at once (default 30)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MLC_SPEC_API_KEY, else "
+        "none); /health and /metrics stay open",
+    )
+    p.add_argument(
+        "--enable-docs", action="store_true", help="serve /docs and /openapi.json (default: off)"
     )
     p.add_argument(
         "--async-scheduling",

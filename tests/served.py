@@ -1,0 +1,122 @@
+"""A server on a loopback port for the server tests, run by uvicorn on a thread of this process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlc_spec import LLM
+from mlc_spec.serve.app import ServerConfig, build_app
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+class Served:
+    """A server on a free loopback port, run by uvicorn on a thread of this process."""
+
+    def __init__(self, llm: LLM, config: ServerConfig, send_buffer: int | None = None):
+        self.llm = llm
+        sock = socket.create_server(("127.0.0.1", 0))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as serve() does
+        if send_buffer:  # inherited by the connections it accepts
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            build_app(llm, "tiny", config), log_level="warning", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]})
+        self._thread.start()
+        while not self._server.started:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+
+    def client(self, api_key: str = "-") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def async_client(self, api_key: str = "-") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples by name and labels (the model_name label left out)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if k != "model_name")
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+    def wait_idle(self) -> dict[str, float]:
+        """Metrics once no request runs or waits (the engine thread updates them each loop)."""
+        for _ in range(200):
+            m = self.metrics()
+            if m["mlc_spec:num_requests_running"] == m["mlc_spec:num_requests_waiting"] == 0:
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"requests still in flight: {m}")
+
+
+@contextlib.contextmanager
+def serving(llm: LLM, send_buffer: int | None = None, **config) -> Iterator[Served]:
+    served = Served(llm, ServerConfig(**{"max_waiting": 64, **config}), send_buffer)
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+class ServeProcess:
+    """``mlc-spec serve`` as users run it: its own process, its signal handling, its exit code."""
+
+    def __init__(self, artifact, *args: str):
+        command = [sys.executable, "-m", "mlc_spec.cli", "serve", "--model", str(artifact)]
+        self.process = subprocess.Popen(
+            [*command, "--port", "0", "--served-model-name", "tiny", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TVM_NUM_THREADS": os.environ.get("TVM_NUM_THREADS", "2")},
+        )
+        line = self.process.stdout.readline()
+        if "serving" not in line:
+            self.process.kill()
+            raise AssertionError(f"the server did not start: {line}{self.process.stderr.read()}")
+        self.url = line.split(" on ")[1].strip().removesuffix("/v1")
+        while True:  # uvicorn listens a moment after the socket is announced
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    break
+            time.sleep(0.05)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        """The exit code and what the server logged, once it exits (killed past ``timeout``)."""
+        try:
+            _, err = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            _, err = self.process.communicate()
+            raise AssertionError(f"the server still ran {timeout} s later:\n{err}") from None
+        return self.process.returncode, err
