@@ -115,6 +115,9 @@ OTHER = (
         "Each section carries its date and commit: compare them with the headline tables' before "
         "relying on one.",
     ),
+    Group(
+        "`mlc-spec serve` soaked: mixed load at concurrency 64, then SIGTERM", r"soak_serve-.+", 1
+    ),
     Group(None, r"bench_adaptive.*", 1),
     Group(None, r"bench_async-.+", 1),
     Group(None, r"bench_detokenize", 1),

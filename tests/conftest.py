@@ -24,11 +24,12 @@ from mlc_spec.compiler.options import CompileOptions
 ASKED_FOR = {
     "qwen": ("MLC_SPEC_RUN_QWEN", "needs the Qwen pair"),
     "heavy": ("MLC_SPEC_RUN_HEAVY", "minutes of compiling"),
+    "soak": ("MLC_SPEC_RUN_SOAK", "a 10-minute soak of the server"),
 }
 
 
 def pytest_collection_modifyitems(config, items):
-    """The Qwen pair (1.5 GB) and the heaviest compiles run only where asked."""
+    """The Qwen pair (1.5 GB), the heaviest compiles and the soak run only where asked."""
     for marker, (variable, why) in ASKED_FOR.items():
         if os.environ.get(variable) == "1":
             continue

@@ -6,11 +6,10 @@ on code should agree with its target most of the time, or speculation cannot pay
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import script
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.compiler.cache import compiled
@@ -18,7 +17,6 @@ from mlc_spec.runtime.artifact import read_config
 
 pytestmark = pytest.mark.qwen
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
 # HumanEval-style: a signature and a docstring with doctests, completed as raw text.
 PROMPTS = [
     'def is_palindrome(text: str) -> bool:\n    """ Return True if text reads the same '
@@ -32,17 +30,10 @@ PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=False)
 SIZE = {"max_batch_size": 1, "max_total_len": 4096}
 
 
-def _script(name: str):
-    """A module of ``scripts/``, whose modules import each other by name."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    return importlib.import_module(name)
-
-
 @pytest.fixture(scope="module")
 def qwen_pair() -> tuple[Path, Path]:
     """(draft, target) artifacts, compiled on first use by the same code as the script."""
-    return _script("prepare_qwen_pair").prepare_pair(show_progress=False)
+    return script("prepare_qwen_pair").prepare_pair(show_progress=False)
 
 
 def _speculate(target: Path, draft: Path) -> tuple[list[list[int]], float]:
@@ -85,7 +76,7 @@ def test_int8_pair_is_lossless_for_every_k(qwen_pair):
     output (verified rows are the decoded rows bit for bit)."""
     target = compiled("qwen2.5-coder-1.5b-instruct", activations="int8", show_progress=False)
     draft = compiled("qwen2.5-coder-0.5b-instruct", activations="int8", show_progress=False)
-    prompts = _script("workloads").humaneval_prompts(10)
+    prompts = script("workloads").humaneval_prompts(10)
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 
     def outputs(**engine) -> list[list[int]]:
