@@ -420,11 +420,15 @@ def test_a_wrong_value_gets_a_400_naming_the_field_and_its_range(
 
 
 def test_a_chunked_body_past_the_limit_gets_a_413(tiny_llama):
-    """Without Content-Length the body is counted as it arrives."""
+    """Past --max-request-bytes: with Content-Length (the openai client) refused at once,
+    chunked refused as it arrives; the server goes on."""
     with serving(LLM(tiny_llama.artifact), max_request_bytes=1000) as served:
         chunks = iter([b'{"model": "tiny", "prompt": "', b"w5 " * 400, b'"}'])
         headers = {"Content-Type": "application/json"}
         response = httpx.post(f"{served.url}/v1/completions", content=chunks, headers=headers)
         assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]
+        with pytest.raises(openai.APIStatusError, match="1000 bytes") as refused:  # Content-Length
+            served.client().completions.create(model="tiny", prompt="w5 " * 400, max_tokens=2)
+        assert refused.value.status_code == 413
         small = served.client().completions.create(model="tiny", prompt="w5 w6", max_tokens=2)
         assert small.usage.completion_tokens == 2
