@@ -83,14 +83,14 @@ def serving(llm: LLM, send_buffer: int | None = None, **config) -> Iterator[Serv
 class ServeProcess:
     """``mlc-spec serve`` as users run it: its own process, its signal handling, its exit code."""
 
-    def __init__(self, artifact, *args: str):
+    def __init__(self, artifact, *args: str, env: dict[str, str] | None = None):
         command = [sys.executable, "-m", "mlc_spec.cli", "serve", "--model", str(artifact)]
         self.process = subprocess.Popen(
             [*command, "--port", "0", "--served-model-name", "tiny", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "TVM_NUM_THREADS": os.environ.get("TVM_NUM_THREADS", "2")},
+            env={"TVM_NUM_THREADS": "2", **os.environ, **(env or {})},
         )
         line = self.process.stdout.readline()
         if "serving" not in line:

@@ -303,6 +303,13 @@ def test_api_key_guards_v1_only_and_docs_are_off_by_default(tiny_llama, server):
             assert httpx.get(f"{served.url}{path}").status_code == 200, path
 
 
+def test_the_api_key_comes_from_the_environment_too(tiny_llama):
+    with ServeProcess(tiny_llama.artifact, env={"MLC_SPEC_API_KEY": "sesame"}) as served:
+        assert httpx.get(f"{served.url}/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer sesame"}
+        assert httpx.get(f"{served.url}/v1/models", headers=headers).status_code == 200
+
+
 def test_a_client_that_stops_reading_is_cut_off(tiny_llama):
     """Its unread output is bounded by --max-stream-backlog: past it the request is aborted
     and its pages freed, while the client still has not read a byte. (Small socket buffers
