@@ -57,6 +57,14 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     503: "overloaded_error",
 }
+# Validation errors of a value out of its field's bounds, which name only the bound it broke.
+_OUT_OF_RANGE = (
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "finite_number",
+)
 # Unicode normalization (NFC) can fold up to three characters into one before tokenizing.
 _NORMALIZATION_FOLD = 3
 
@@ -137,7 +145,7 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
         message = first["msg"].removeprefix("Value error, ")
         model = request_models.get(request.url.path)
         allowed = model.allowed_range(loc[0]) if model and len(loc) == 1 else None
-        if allowed and first["type"] != "int_type" and first["type"] != "float_type":
+        if allowed and first["type"] in _OUT_OF_RANGE:
             message += f" (allowed: {allowed})"
         field = ".".join(loc)
         return error_response(400, f"{field}: {message}" if field else message, field or None)
