@@ -143,11 +143,15 @@ def test_a_20mb_body_stalls_no_one(smollm2_server):
     assert all(answer.startswith(b"HTTP/1.1 413 ") for answer in answers), answers
     assert max(latencies) < 0.2, latencies
     gaps = np.diff(stamps[:-2])  # the last events: the end of the body, [DONE]
-    worst = [
-        max(g for g, t in zip(gaps, stamps, strict=False) if t <= end and t + g >= start)
-        for start, end in windows
-    ]
-    assert np.median(worst) <= 2 * np.median(gaps), (worst, np.median(gaps))
+    overlaps = [[t <= end and t + g >= start for g, t in zip(gaps, stamps, strict=False)]
+                for start, end in windows]  # fmt: skip
+    worst = [max(gaps[hit]) for hit in map(np.array, overlaps)]
+    # On a quiet machine the stream's own gaps stay well within 2x their median, and that is
+    # the bound; where other processes take a core (a shared CI runner), its own jitter outside
+    # the windows is, and a stall of the event loop still stands out against it.
+    outside = gaps[~np.any(overlaps, axis=0)]
+    bound = max(2 * np.median(gaps), np.percentile(outside, 99))
+    assert np.median(worst) <= bound, (worst, np.median(gaps), bound)
 
 
 @pytest.mark.slow
