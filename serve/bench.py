@@ -2,8 +2,9 @@
 of ``vllm bench serve``.
 
 For each speculation setting it starts ``mlc-spec serve`` in a process of its own (the load
-generator must not share the server's interpreter), then at each concurrency level sends
-streaming requests: HumanEval prompts to /v1/completions and first ShareGPT turns to
+generator must not share the server's interpreter), or it loads any OpenAI-compatible server
+already running at ``--base-url`` (as ``vllm bench serve`` does), then at each concurrency
+level sends streaming requests: HumanEval prompts to /v1/completions and first ShareGPT turns to
 /v1/chat/completions, both from their PyPI packages, in a closed loop (each client sends its
 next request when the last one ends) or with Poisson arrivals. It records time to first token,
 time per output token, end-to-end latency, throughput and speculation acceptance, and writes
@@ -272,10 +273,28 @@ def setting_label(speculative: str, k: str) -> str:
     return "off" if method == "none" else f"{method} k={own_k or k}"
 
 
+def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]]:
+    """(label, a context yielding its /v1 URL) per server to load: the one at ``--base-url``,
+    or ``mlc-spec serve`` started per speculation setting."""
+    if args.base_url:
+        yield args.label or args.base_url, contextlib.nullcontext(args.base_url.rstrip("/"))
+        return
+    for speculative in args.speculative:
+        method, _, k = speculative.partition(":")
+        serve_args = ["--served-model-name", args.served_model, "--speculative", method]
+        serve_args += ["-k", k or args.k, "--max-batch-size", str(args.max_batch_size)]
+        serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
+        if args.model:
+            serve_args += ["--model", args.model]
+        if args.draft_model:
+            serve_args += ["--draft-model", args.draft_model]
+        yield setting_label(speculative, args.k), launched_server(serve_args)
+
+
 def bench(args) -> dict[str, Any]:
     """The whole sweep; see ``add_arguments`` for what the options mean."""
     body = {
-        "model": "bench",
+        "model": args.served_model,
         "max_tokens": args.max_tokens,
         "temperature": 0,
         "ignore_eos": args.ignore_eos,
@@ -285,18 +304,9 @@ def bench(args) -> dict[str, Any]:
         "machine": machine(),
         "settings": {},
     }
-    for speculative in args.speculative:
-        label = setting_label(speculative, args.k)
-        method, _, k = speculative.partition(":")
-        serve_args = ["--served-model-name", "bench", "--speculative", method]
-        serve_args += ["-k", k or args.k, "--max-batch-size", str(args.max_batch_size)]
-        serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
-        if args.model:
-            serve_args += ["--model", args.model]
-        if args.draft_model:
-            serve_args += ["--draft-model", args.draft_model]
+    for label, server in servers(args):
         rows = []
-        with launched_server(serve_args) as base:
+        with server as base:
             asyncio.run(run_level(base, mixed_jobs(args.dataset, 2), body, 2, None, 0))  # warm
             for concurrency in args.concurrency:
                 count = max(args.min_requests, args.rounds * concurrency)
@@ -389,6 +399,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def add_arguments(p) -> None:
+    p.add_argument(
+        "--base-url",
+        help="load the OpenAI-compatible server already running here (its /v1 URL, e.g. "
+        "http://127.0.0.1:8080/v1) instead of starting mlc-spec serve per --speculative setting",
+    )
+    p.add_argument("--label", help="that server's name in the table and plots (default: its URL)")
+    p.add_argument(
+        "--served-model", default="bench", help="the model name requests ask for (default bench)"
+    )
     p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
     p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
     p.add_argument(

@@ -7,7 +7,9 @@ import asyncio
 import json
 
 import pytest
+from served import serving
 
+from mlc_spec import LLM
 from mlc_spec.cli import main
 from mlc_spec.serve.bench import (
     humaneval_jobs,
@@ -46,6 +48,17 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
     assert results["settings"]["off"][0]["acceptance_rate"] is None
     assert "| off | 1 | 3/3 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_serve_loads_a_running_server(tiny_llama, tmp_path):
+    """``--base-url``: any OpenAI-compatible server, here ours started apart, under its name."""
+    with serving(LLM(tiny_llama.artifact)) as served:
+        argv = ["bench", "serve", "--base-url", f"{served.url}/v1", "--served-model", "tiny"]
+        argv += ["--label", "elsewhere", "--concurrency", "2", "--max-tokens", "3"]
+        argv += ["--min-requests", "4", "--output-dir", str(tmp_path)]
+        assert main(argv) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["settings"]["elsewhere"]
+    assert row["completed"] == row["requests"] == 4 and row["output_throughput"] > 0
 
 
 def test_poisson_arrivals(tiny_llama):
