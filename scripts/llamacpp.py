@@ -337,10 +337,6 @@ def main() -> None:
         print(f"peak RSS {gib(figures.peak_rss)}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def build_target(target: str) -> Path:
     """The path of binary ``target``, built into the same tree as ``TARGETS`` if missing: tools
     that one benchmark alone needs (``llama-quantize`` for bench_fidelity's F32 reference)
@@ -353,3 +349,7 @@ def build_target(target: str) -> Path:
             check=True,
         )
     return binary
+
+
+if __name__ == "__main__":
+    main()
