@@ -111,12 +111,31 @@ class Outcome:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
+class _StaleConnection(Exception):
+    """The server had closed the kept-alive connection before this request reached it."""
+
+
 async def send(client: httpx.AsyncClient, base: str, job: Job, body: dict[str, Any]) -> Outcome:
-    """One streaming request; TTFT is the first chunk with text, usage the last chunk's."""
+    """One streaming request; TTFT is the first chunk with text, usage the last chunk's. A
+    server may close an idle kept-alive connection as the request goes out (llama-server
+    does): then nothing was answered, and the request is sent once more, timed from there."""
+    try:
+        return await _send_once(client, base, job, body)
+    except _StaleConnection:
+        try:
+            return await _send_once(client, base, job, body)
+        except _StaleConnection as err:
+            return Outcome(False, f"RemoteProtocolError: {err}")
+
+
+async def _send_once(
+    client: httpx.AsyncClient, base: str, job: Job, body: dict[str, Any]
+) -> Outcome:
     payload = {**body, **job.payload, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft = None
     usage = speculation = None
+    response = None
     try:
         async with client.stream("POST", f"{base}/{job.endpoint}", json=payload) as response:
             if response.status_code != 200:
@@ -134,6 +153,10 @@ async def send(client: httpx.AsyncClient, base: str, job: Job, body: dict[str, A
                         ttft = time.perf_counter() - start
                 if chunk.get("usage"):
                     usage, speculation = chunk["usage"], chunk.get("speculation")
+    except httpx.RemoteProtocolError as err:
+        if response is None:
+            raise _StaleConnection(str(err)) from None
+        return Outcome(False, f"{type(err).__name__}: {err}")
     except httpx.HTTPError as err:
         return Outcome(False, f"{type(err).__name__}: {err}")
     e2e = time.perf_counter() - start

@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from served import serving
 
 from mlc_spec import LLM
 from mlc_spec.cli import main
 from mlc_spec.serve.bench import (
+    Job,
     humaneval_jobs,
     launched_server,
     mixed_jobs,
     run_level,
+    send,
     sharegpt_jobs,
     summarize,
 )
@@ -70,3 +73,33 @@ def test_poisson_arrivals(tiny_llama):
     row = summarize(2, outcomes, seconds)
     assert row["completed"] == 6 and row["failed"] == 0, row["errors"]
     assert {j.endpoint for j in jobs} == {"completions", "chat/completions"}
+
+
+def test_a_connection_closed_while_idle_is_retried_once():
+    """A kept-alive connection the server closed (llama-server does) fails before any answer:
+    sent again, not counted as a failure; a server that keeps doing it is one."""
+    events = [
+        'data: {"choices": [{"index": 0, "text": "hi"}]}',
+        'data: {"choices": [], "usage": {"completion_tokens": 1}}',
+        "data: [DONE]",
+    ]
+    ok = httpx.Response(200, text="\n\n".join(events) + "\n\n")
+
+    def outcome(stale_answers: int):
+        answers = iter([*[None] * stale_answers, ok])
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            answer = next(answers)
+            if answer is None:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            return answer
+
+        async def one():
+            async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+                return await send(client, "http://x/v1", Job("completions", {"prompt": "p"}), {})
+
+        return asyncio.run(one())
+
+    assert outcome(0).ok and outcome(1).ok and outcome(1).output_tokens == 1
+    twice = outcome(2)
+    assert not twice.ok and "RemoteProtocolError" in twice.error
