@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 import openai
 from benchdoc import cpu_class, machine_context, start_load, write_section
+from prometheus_client.parser import text_string_to_metric_families
 from workloads import humaneval_prompts, sharegpt_turns
 
 CONCURRENCY = 64
@@ -90,14 +91,13 @@ class Server:
         )
 
     def load(self) -> dict[str, float]:
+        """The server's gauges by name, without the ``mlc_spec:`` prefix."""
         text = httpx.get(f"{self.root}/metrics").text
-        wanted = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-        values = {}
-        for line in text.splitlines():
-            for name in wanted:
-                if line.startswith(f"mlc_spec:{name}{{"):
-                    values[name] = float(line.rsplit(" ", 1)[1])
-        return values
+        return {
+            family.name.removeprefix("mlc_spec:"): family.samples[0].value
+            for family in text_string_to_metric_families(text)
+            if family.type == "gauge"
+        }
 
 
 @dataclasses.dataclass

@@ -191,6 +191,7 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
+        _check_model(body.model)
         if isinstance(body.prompt, str):
             _check_fits(len(body.prompt), "prompt")
             prompt = await _tokenize(raw, tokenizer.encode, body.prompt)
@@ -200,10 +201,16 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        _check_model(body.model)
         conversation = body.conversation()
         _check_fits(sum(len(m["content"]) for m in conversation), "messages")
         prompt = await _tokenize(raw, tokenizer.apply_chat_template, conversation)
         return await _serve(raw, body, prompt, chat=True, with_logprobs=body.logprobs)
+
+    def _check_model(name: str) -> None:
+        """Before the prompt is tokenized: a request for another model costs nothing."""
+        if name != model_name:
+            raise ModelNotFound(f"model '{name}' does not exist; this serves '{model_name}'")
 
     def _check_fits(num_chars: int, field: str) -> None:
         if num_chars > longest_text:
@@ -226,8 +233,6 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
         chat: bool,
         with_logprobs: bool,
     ) -> Response:
-        if body.model != model_name:
-            raise ModelNotFound(f"model '{body.model}' does not exist; this serves '{model_name}'")
         params = body.sampling_params(llm.engine.max_sequence_len(body.n) - len(prompt))
         stream = await raw.app.state.engine.add(prompt, params)
         builder = ResponseBuilder(chat, model_name, tokenizer, len(prompt), params.n)
