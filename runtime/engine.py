@@ -61,7 +61,7 @@ from .speculation import (
     StepCosts,
     StepShape,
 )
-from .speculation.warm_up import record, sizes, spread, time_passes
+from .speculation.warm_up import record, sizes, time_passes
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig"]
@@ -195,11 +195,11 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Measure the costs the policy needs before the first request: the target's decode of
-        1..B rows and verify of 2..B(K+1) tokens (``sizes`` of them), and the proposer's
-        passes."""
+        1..B rows, its verify of 1..B(K+1) tokens of one sequence (``sizes`` of them; see
+        ``StepCosts`` for how other shapes are priced), and the proposer's passes."""
         rows, width = self.config.max_batch_size, self.max_k + 1
         decodes = [[1] * r for r in sizes(1, rows)]
-        verifies = [spread(n, width) for n in sizes(2, rows * width)]
+        verifies = [[n] for n in sizes(1, rows * width)]
         record(self.costs.decode, map(len, decodes), self._time("decode", decodes))
         record(self.costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
         self.proposer.warm_up(rows)
@@ -634,10 +634,7 @@ class Engine:
     def _record_costs(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         """Feed the step's measured times to the cost model and the decision log."""
         rows, drafted = len(plan.seqs), int(result.num_draft.sum())
-        if drafted:
-            self.costs.verify.observe(rows + drafted, result.target_seconds)
-        else:
-            self.costs.decode.observe(rows, result.target_seconds)
+        self.costs.observe_target(rows, rows + drafted, result.target_seconds)
         rest = seconds - result.draft_seconds - result.target_seconds
         self.costs.per_row.observe(rest / rows)
         names = [
@@ -734,6 +731,16 @@ class Engine:
         )
 
     # ---- metrics ------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Engine-wide speculation counters, seconds and calls per phase, and the speculation
+        policy's decisions with the measurements behind them."""
+        return {
+            **self.stats.to_dict(),
+            "seconds": dict(self.timers.seconds),
+            "calls": dict(self.timers.calls),
+            "speculation": self.speculation_metrics(),
+        }
+
     def speculation_metrics(self) -> dict | None:
         """What the policy chose and why: per-step decisions with predicted and measured step
         times, the acceptance estimates and the measured cost tables (``None`` without

@@ -69,11 +69,7 @@ class LLM:
     def metrics(self) -> dict[str, Any]:
         """Engine-wide speculation counters, seconds per phase, and the speculation policy's
         decisions with the measurements behind them."""
-        return {
-            **self.engine.stats.to_dict(),
-            "seconds": dict(self.engine.timers.seconds),
-            "speculation": self.engine.speculation_metrics(),
-        }
+        return self.engine.metrics()
 
     # ---- plumbing -----------------------------------------------------------------------
     def _add(

@@ -94,7 +94,8 @@ class SpeculationLog:
         self.recent: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
         self.num_steps = 0
         self.steps_by_k = SpecStats()  # engine-wide count of sequence-steps per chosen k
-        self.predicted_seconds = 0.0  # over the steps that had a prediction
+        self.num_predicted = 0  # steps that had a prediction
+        self.predicted_seconds = 0.0  # over those steps
         self.measured_seconds = 0.0  # ... the same steps, measured
         self.absolute_error_seconds = 0.0
 
@@ -104,6 +105,7 @@ class SpeculationLog:
         for k in step.num_draft:
             self.steps_by_k.record_choice(k)
         if step.predicted_seconds is not None:
+            self.num_predicted += 1
             self.predicted_seconds += step.predicted_seconds
             self.measured_seconds += step.measured_seconds
             self.absolute_error_seconds += abs(step.predicted_seconds - step.measured_seconds)
@@ -112,6 +114,7 @@ class SpeculationLog:
         return {
             "num_steps": self.num_steps,
             "sequence_steps_by_k": self.steps_by_k.steps_by_k,
+            "num_predicted": self.num_predicted,
             "predicted_seconds": self.predicted_seconds,
             "measured_seconds": self.measured_seconds,
             "absolute_error_seconds": self.absolute_error_seconds,

@@ -268,7 +268,7 @@ def cost_table(
         for rows in concurrencies:
             decode = costs.decode.predict(rows)
             cells = [
-                f"{costs.verify.predict(rows * (k + 1)) / decode:.2f}x" for k in range(1, MAX_K + 1)
+                f"{costs.target(rows, rows * (k + 1)) / decode:.2f}x" for k in range(1, MAX_K + 1)
             ]
             row = f"| {rows} | {1e3 * decode:.1f} | " + " | ".join(cells)
             if method == "draft":

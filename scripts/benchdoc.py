@@ -100,6 +100,13 @@ HEADLINE = (
         "--write docs/benchmarks.md`",
     ),
     Group(
+        "Serving side by side with llama-server (`mlc-spec bench serve`)",
+        rf"bench_serving-.+{_CPU}",
+        2,
+        "`python scripts/bench_serving.py --pair smollm2 --write docs/benchmarks.md` "
+        "(and `--pair qwen`)",
+    ),
+    Group(
         "Qwen2.5-Coder-1.5B with the 0.5B draft: speculative decoding end to end on HumanEval",
         rf"bench_speculative-qwen-.+{_CPU}",
         3,

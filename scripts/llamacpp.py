@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -45,30 +44,30 @@ from pathlib import Path
 from benchdoc import lscpu_fields
 from peak_rss import gib, run_measured
 
-VERSION = "0.3.36"
+from mlc_spec.paths import LLAMA_CPP_PYTHON_VERSION
+from mlc_spec.paths import llama_cpp_dir as cache_dir
+
+VERSION = LLAMA_CPP_PYTHON_VERSION
 SDIST = f"llama_cpp_python-{VERSION}"
-TARGETS = ("llama-bench", "llama-speculative-simple", "llama-completion", "llama-perplexity")
+TARGETS = (
+    "llama-bench",
+    "llama-speculative-simple",
+    "llama-completion",
+    "llama-perplexity",
+    "llama-server",
+)
 NATIVE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
 )
 # GCC honours an explicit -mno-* over what -march=native implies, whatever their order.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 BUILD_JOBS = 2
 CONTEXT = 4096  # tokens of KV cache for the generation runners: prompt + output fit
 FLASH_ATTN = ("off", "on")  # the -fa settings the benchmarks compare
-
-
-def cache_dir() -> Path:
-    """Beside the models: ``mlc_spec.compiler.pypi_models.default_cache_dir``'s rule, restated
-    because importing that module imports TVM, and the benchmarks' parent process, which runs
-    llama.cpp, keeps TVM out."""
-    env = os.environ.get("MLC_SPEC_CACHE")
-    root = Path(env) if env else Path.home() / ".cache" / "mlc-spec"
-    return root / f"llama.cpp-{VERSION}"
 
 
 def cmake_flags() -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """``mlc-spec serve``: the OpenAI-compatible HTTP server, FastAPI on uvicorn.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (``"stream": true`` as server-sent
-events), GET /v1/models, /health, /metrics (Prometheus). Every error is OpenAI's error object:
+events), GET /v1/models, /health, /metrics (Prometheus), /stats (the engine's phases and the
+speculation policy's decisions against measured step times). Every error is OpenAI's error object:
 400 for bad input, 401 without the API key, 404 for an unknown model or route, 413 for a body
 past ``max_request_bytes``, 503 with ``Retry-After`` when the waiting queue is full or the
 server is shutting down. No request can stall the others: bodies are bounded before they are
@@ -19,7 +20,7 @@ import dataclasses
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -188,6 +189,12 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The engine's own figures: speculation counters, seconds and calls per phase, and the
+        speculation policy's recent decisions, predicted against measured step times."""
+        return await app.state.engine.engine_metrics()
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

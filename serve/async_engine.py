@@ -1,7 +1,7 @@
 """The engine on a thread of its own, fed through a queue by the server's event loop.
 
 The engine is not thread-safe, so one thread owns it: it takes commands (add, abort, end,
-stop) from a queue between steps, steps while there is work, and hands each request's
+report, stop) from a queue between steps, steps while there is work, and hands each request's
 increments back to the event loop that asked (``call_soon_threadsafe``). An abort is taken
 before the next step, so a client that leaves frees its KV pages within one step.
 
@@ -113,6 +113,13 @@ class AsyncEngine:
         """End every running request with an error (503) before the next step."""
         self._commands.put(("end_all",))
 
+    async def engine_metrics(self) -> dict:
+        """``Engine.metrics``, read between steps: the engine thread updates them as it steps."""
+        loop = asyncio.get_running_loop()
+        report = loop.create_future()
+        self._commands.put(("report", loop, report))
+        return await report
+
     def shutdown(self) -> None:
         self._commands.put(("stop",))
         self._thread.join()
@@ -140,6 +147,9 @@ class AsyncEngine:
                 self._add(*command[1:])
             elif command[0] == "abort":
                 self._abort(command[1])
+            elif command[0] == "report":
+                loop, report = command[1:]
+                loop.call_soon_threadsafe(_settle, report, None, self.engine.metrics())
             else:
                 self._end_all()
             try:
@@ -265,11 +275,11 @@ class RequestStream:
             )
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, value: object = None) -> None:
     """Resolve a future on its own loop, unless its waiter has already gone."""
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(value)
     else:
         future.set_exception(error)

@@ -1,15 +1,18 @@
-"""``mlc-spec bench serve``: a load generator for the OpenAI-compatible server, in the spirit
-of ``vllm bench serve``.
+"""``mlc-spec bench serve``: a load generator for OpenAI-compatible servers, in the spirit of
+``vllm bench serve``.
 
-For each speculation setting it starts ``mlc-spec serve`` in a process of its own (the load
-generator must not share the server's interpreter), or it loads any OpenAI-compatible server
-already running at ``--base-url`` (as ``vllm bench serve`` does), then at each concurrency
-level sends streaming requests: HumanEval prompts to /v1/completions and first ShareGPT turns to
-/v1/chat/completions, both from their PyPI packages, in a closed loop (each client sends its
-next request when the last one ends) or with Poisson arrivals. It records time to first token,
-time per output token, end-to-end latency, throughput and speculation acceptance, and writes
-``results.json``, ``results.md`` and ``serve_bench.png`` (throughput and TTFT/TPOT percentiles
-against concurrency, one line per speculation setting).
+It loads ``mlc-spec serve``, started in a process of its own per speculation setting (the load
+generator must not share the server's interpreter), llama-server on the same GGUF
+(``--against-llama-server``, plain and with a draft model), or any server already running at
+``--base-url``. Every server is started first; then at each concurrency level each one is
+loaded in turn, so the systems' rows are measured side by side rather than minutes apart on a
+host whose speed drifts. Requests stream: HumanEval prompts to /v1/completions and first
+ShareGPT turns to /v1/chat/completions, both from their PyPI packages, in a closed loop (each
+client sends its next request when the last one ends) or with Poisson arrivals. It records time
+to first token, time per output token (tokens, not chunks: a speculative server sends several
+per chunk), end-to-end latency, throughput, speculation acceptance and, from mlc-spec's
+/stats, the speculation policy's predicted against measured step times; and writes
+``results.json``, ``results.md`` and ``serve_bench.png`` (one line per server).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +38,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from mlc_spec.errors import UserError
+from mlc_spec.paths import llama_cpp_dir
 
 VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_tile")
 PERCENTILES = (50, 90, 99)
@@ -252,12 +260,71 @@ def launched_server(serve_args: list[str]) -> Iterator[str]:
             raise RuntimeError(f"the server at {base} did not answer /health within 60 s")
         yield base
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
+
+
+def llama_server_binary(given: str | None) -> str:
+    """``--llama-server``, else ``$LLAMA_SERVER``, else llama-server on the PATH, else the one
+    scripts/llamacpp.py builds."""
+    for candidate in (given, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
+        if candidate:
+            return candidate
+    built = llama_cpp_dir() / "build" / "bin" / "llama-server"
+    if built.exists():
+        return str(built)
+    raise UserError(
+        "llama-server was not found: build it with `python scripts/llamacpp.py` (it lands in "
+        f"{built.parent}), or pass --llama-server PATH"
+    )
+
+
+def llama_server_command(args, draft: str | None) -> list[str]:
+    """llama-server on ``--against-llama-server``'s GGUF with as many slots, as large a KV cache
+    (unified, shared by the slots as our page pool is) and as many threads as our server, under
+    the same model name; with ``-md draft`` for its speculative decoding."""
+    threads = os.environ.get("TVM_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+    cmd = [llama_server_binary(args.llama_server), "-m", args.against_llama_server]
+    cmd += ["-np", str(args.max_batch_size), "-c", str(args.max_total_len), "-kvu"]
+    cmd += ["-t", threads, "-tb", threads, "-a", args.served_model]
+    if draft:
+        cmd += ["-md", draft]
+    return cmd + shlex.split(args.llama_server_args)
+
+
+@contextlib.contextmanager
+def launched_llama_server(cmd: list[str], log_path: Path) -> Iterator[str]:
+    """llama-server (``cmd`` without host and port) on a free loopback port; yields its /v1 URL
+    once /health answers 200 (503 while the model loads). Its log goes to ``log_path``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-1500:]
+                raise UserError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise UserError(f"llama-server did not answer /health within 120 s (log: {log_path})")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def machine() -> dict[str, Any]:
@@ -297,25 +364,67 @@ def setting_label(speculative: str, k: str) -> str:
 
 
 def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]]:
-    """(label, a context yielding its /v1 URL) per server to load: the one at ``--base-url``,
-    or ``mlc-spec serve`` started per speculation setting."""
+    """(label, a context yielding its /v1 URL) per server to load: the one at ``--base-url``;
+    or llama-server (``--against-llama-server``, plain and with ``--llama-server-draft``)
+    and ``mlc-spec serve`` per speculation setting."""
     if args.base_url:
         yield args.label or args.base_url, contextlib.nullcontext(args.base_url.rstrip("/"))
         return
+    logs = Path(args.output_dir)
+    if args.against_llama_server:
+        cmd = llama_server_command(args, None)
+        yield "llama-server", launched_llama_server(cmd, logs / "llama-server.log")
+        if args.llama_server_draft:
+            cmd = llama_server_command(args, args.llama_server_draft)
+            yield "llama-server -md", launched_llama_server(cmd, logs / "llama-server-md.log")
     for speculative in args.speculative:
         method, _, k = speculative.partition(":")
         serve_args = ["--served-model-name", args.served_model, "--speculative", method]
         serve_args += ["-k", k or args.k, "--max-batch-size", str(args.max_batch_size)]
+        serve_args += ["--max-total-len", str(args.max_total_len)]
         serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
         if args.model:
             serve_args += ["--model", args.model]
-        if args.draft_model:
+        if method == "draft" and args.draft_model:
             serve_args += ["--draft-model", args.draft_model]
         yield setting_label(speculative, args.k), launched_server(serve_args)
 
 
+def engine_stats(base: str) -> dict[str, Any] | None:
+    """mlc-spec's /stats (the engine's figures), or None from a server without it."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        response = httpx.get(base.removesuffix("/v1") + "/stats", timeout=30)
+        if response.status_code == 200 and "speculation" in response.json():
+            return response.json()
+    return None
+
+
+def policy_figures(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    """The speculation policy over one level, from /stats before and after: its mean predicted
+    and measured step time and mean absolute error over the steps it predicted, and the share
+    of sequence-steps it gave drafts."""
+    if before is None or after is None or after["speculation"] is None:
+        return None
+    a, b = after["speculation"], before["speculation"]
+    steps = a["num_predicted"] - b["num_predicted"]
+    by_k = [
+        x - (b["sequence_steps_by_k"][k] if k < len(b["sequence_steps_by_k"]) else 0)
+        for k, x in enumerate(a["sequence_steps_by_k"])
+    ]
+    if steps <= 0:
+        return None
+    return {
+        "steps": steps,
+        "predicted_ms": 1000 * (a["predicted_seconds"] - b["predicted_seconds"]) / steps,
+        "measured_ms": 1000 * (a["measured_seconds"] - b["measured_seconds"]) / steps,
+        "abs_error_ms": 1000 * (a["absolute_error_seconds"] - b["absolute_error_seconds"]) / steps,
+        "drafting_share": 1 - by_k[0] / sum(by_k) if by_k and sum(by_k) else 0.0,
+    }
+
+
 def bench(args) -> dict[str, Any]:
-    """The whole sweep; see ``add_arguments`` for what the options mean."""
+    """The whole sweep; see ``add_arguments`` for what the options mean. Every server is
+    started (and warmed) first, then each concurrency level loads them in turn."""
     body = {
         "model": args.served_model,
         "max_tokens": args.max_tokens,
@@ -327,18 +436,24 @@ def bench(args) -> dict[str, Any]:
         "machine": machine(),
         "settings": {},
     }
-    for label, server in servers(args):
-        rows = []
-        with server as base:
-            asyncio.run(run_level(base, mixed_jobs(args.dataset, 2), body, 2, None, 0))  # warm
-            for concurrency in args.concurrency:
-                count = max(args.min_requests, args.rounds * concurrency)
-                jobs = mixed_jobs(args.dataset, count)
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for label, server in servers(args):
+            bases[label] = stack.enter_context(server)
+            asyncio.run(run_level(bases[label], mixed_jobs(args.dataset, 2), body, 2, None, 0))
+        results["settings"] = {label: [] for label in bases}
+        start = time.perf_counter()
+        for concurrency in args.concurrency:
+            jobs = mixed_jobs(args.dataset, max(args.min_requests, args.rounds * concurrency))
+            for label, base in bases.items():
+                before, started = engine_stats(base), time.perf_counter() - start
                 outcomes, seconds = asyncio.run(
                     run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
                 )
                 row = summarize(concurrency, outcomes, seconds)
-                rows.append(row)
+                row["policy"] = policy_figures(before, engine_stats(base))
+                row["started"] = started  # seconds into the sweep: the levels interleave
+                results["settings"][label].append(row)
                 print(
                     f"[{label}] concurrency {concurrency}: {row['completed']}/{row['requests']} "
                     f"ok, {row['output_throughput']:.1f} tok/s, TTFT p50 "
@@ -346,7 +461,6 @@ def bench(args) -> dict[str, Any]:
                     file=sys.stderr,
                     flush=True,
                 )
-        results["settings"][label] = rows
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -360,26 +474,44 @@ def _ms(seconds: float | None) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+    """The table: one row per server and level, throughput also as a multiple of the first
+    server's at the same level (llama-server, where it is loaded), and for mlc-spec with
+    speculation the policy's predicted against measured step time."""
     m = results["machine"]
+    settings = results["settings"]
+    first = next(iter(settings))
     lines = [
         f"- Date: {m['date']}; 1-minute load average {m['load_average_1m_at_start']:.2f} at start",
         f"- Machine: `{m['cpu']}` (lscpu), {m['cores']} cores, vector flags "
         f"{' '.join(m['vector_flags'])}, no GPU; Python {m['python']}",
         f"- Command: `{results['command']}`",
         "",
-        "| speculation | concurrency | ok/sent | output tok/s | TTFT p50 / p99 ms "
-        "| TPOT p50 / p99 ms | acceptance | tokens/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| server | concurrency | ok/sent | output tok/s | x {first} | TTFT p50 / p99 ms "
+        "| TPOT p50 / p99 ms | acceptance | tokens/step | step ms predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, rows in results["settings"].items():
+    base = {r["concurrency"]: r["output_throughput"] for r in settings[first]}
+    for label, rows in settings.items():
         for r in rows:
             acceptance = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
             per_step = r["mean_accepted_length"]
+            ratio = (
+                r["output_throughput"] / base[r["concurrency"]]
+                if base.get(r["concurrency"])
+                else None
+            )
+            policy = r.get("policy")
+            steps = (
+                "-"
+                if policy is None
+                else f"{policy['predicted_ms']:.1f} / {policy['measured_ms']:.1f}"
+            )
             lines.append(
                 f"| {label} | {r['concurrency']} | {r['completed']}/{r['requests']} "
-                f"| {r['output_throughput']:.1f} | {_ms(r['p50_ttft'])} / {_ms(r['p99_ttft'])} "
+                f"| {r['output_throughput']:.1f} | {'-' if ratio is None else f'{ratio:.2f}'} "
+                f"| {_ms(r['p50_ttft'])} / {_ms(r['p99_ttft'])} "
                 f"| {_ms(r['p50_tpot'])} / {_ms(r['p99_tpot'])} | {acceptance} "
-                f"| {'-' if per_step is None else f'{per_step:.2f}'} |"
+                f"| {'-' if per_step is None else f'{per_step:.2f}'} | {steps} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -429,6 +561,28 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--label", help="that server's name in the table and plots (default: its URL)")
     p.add_argument(
+        "--against-llama-server",
+        metavar="GGUF",
+        help="also load llama-server on this GGUF (the file --model was compiled from), with "
+        "--max-batch-size slots, --max-total-len tokens of unified KV cache and our threads",
+    )
+    p.add_argument(
+        "--llama-server-draft",
+        metavar="GGUF",
+        help="and a second llama-server with this draft model (-md), as --draft-model's source",
+    )
+    p.add_argument(
+        "--llama-server-args",
+        default="",
+        help="more llama-server flags, one string (e.g. '--spec-draft-n-max 8')",
+    )
+    p.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="the llama-server binary (default: $LLAMA_SERVER, the PATH, then the one "
+        "scripts/llamacpp.py builds)",
+    )
+    p.add_argument(
         "--served-model", default="bench", help="the model name requests ask for (default bench)"
     )
     p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
@@ -461,6 +615,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
     p.add_argument("--min-requests", type=int, default=16, help="at least this many per level")
-    p.add_argument("--max-batch-size", type=int, default=8, help="the server's batch size")
+    p.add_argument("--max-batch-size", type=int, default=8, help="the servers' batch size")
+    p.add_argument(
+        "--max-total-len", type=int, default=8192, help="the servers' KV cache, in tokens"
+    )
     p.add_argument("--seed", type=int, default=0, help="Poisson arrival times")
     p.add_argument("--output-dir", default="bench-serve", help="results.json, .md, .png here")

