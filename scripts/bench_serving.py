@@ -13,7 +13,7 @@ Goals: automatic speculation >= 1.0x no speculation in every cell; mlc-spec (its
 setting) >= 3x llama-server's throughput (its best) at concurrency >= 4; at concurrency 1,
 mlc-spec's best TPOT p50 <= 0.5x llama-server's best.
 
-    python scripts/bench_serving.py --pair smollm2 [--write docs/benchmarks.md]
+    python scripts/bench_serving.py --pair smollm2 [--datasets humaneval] [--write PAGE]
 """
 
 from __future__ import annotations
@@ -122,13 +122,14 @@ def main() -> None:
     parser.add_argument("--pair", choices=["smollm2", "qwen"], default="smollm2")
     parser.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--write", type=Path, help="replace this pair's section of this page")
     args = parser.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     common = pair_arguments(args.pair)
     load = start_load()
     results = {}
-    for dataset in DATASETS:
+    for dataset in args.datasets:
         cli = argparse.ArgumentParser()
         bench.add_arguments(cli)
         argv = [*common, "--dataset", dataset, "--concurrency", *map(str, CONCURRENCY)]
