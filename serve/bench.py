@@ -251,12 +251,7 @@ def launched_server(serve_args: list[str]) -> Iterator[str]:
         if " on http://" not in line:
             raise RuntimeError(f"the server did not start ({shlex.join(cmd)}): {line!r}")
         base = line.rsplit(" on ", 1)[1].strip()
-        for _ in range(600):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base.removesuffix("/v1") + "/health").status_code == 200:
-                    break
-            time.sleep(0.1)
-        else:
+        if not _healthy(base, proc, seconds=60):
             raise RuntimeError(f"the server at {base} did not answer /health within 60 s")
         yield base
     finally:
@@ -303,19 +298,28 @@ def launched_llama_server(cmd: list[str], log_path: Path) -> Iterator[str]:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        for _ in range(1200):
+        base = f"http://127.0.0.1:{port}/v1"
+        if not _healthy(base, proc, seconds=120):
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-1500:]
                 raise UserError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            time.sleep(0.1)
-        else:
             raise UserError(f"llama-server did not answer /health within 120 s (log: {log_path})")
-        yield f"http://127.0.0.1:{port}/v1"
+        yield base
     finally:
         _stop(proc)
+
+
+def _healthy(base: str, proc: subprocess.Popen, seconds: float) -> bool:
+    """Whether the server at ``base`` (its /v1 URL) answers /health with 200 within
+    ``seconds``; False as soon as its process exits."""
+    for _ in range(int(seconds * 10)):
+        if proc.poll() is not None:
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base.removesuffix("/v1") + "/health").status_code == 200:
+                return True
+        time.sleep(0.1)
+    return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
