@@ -101,6 +101,7 @@ class StepPlan:
     num_draft: list[int]  # drafts asked of the proposer per sequence
     acceptance: list[float]  # the estimates the policy chose with (empty without a proposer)
     predicted_seconds: float | None
+    expected_tokens: float  # what the policy expects the step to emit, by those estimates
 
 
 @dataclasses.dataclass
@@ -496,11 +497,11 @@ class Engine:
                 break
             self._preempt(self.scheduler.preempt_newest())
         if not seqs or self.proposer is None:
-            return StepPlan(seqs, [0] * len(seqs), [], None)
+            return StepPlan(seqs, [0] * len(seqs), [], None, len(seqs))
         estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
         if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
             plain = self.costs.predict(StepShape(len(seqs)))
-            return StepPlan(seqs, [0] * len(seqs), estimates, plain)
+            return StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs))
         batch = []
         for seq, cap, estimate in zip(seqs, caps, estimates, strict=True):
             most = self.proposer.available(seq, cap) if cap else 0
@@ -513,8 +514,14 @@ class Engine:
                     tokens_left=seq.tokens_left,
                 )
             )
-        decision = self.policy.choose(batch, self.costs)
-        return StepPlan(seqs, decision.num_draft, estimates, decision.predicted_seconds)
+        decision = self.policy.choose(batch, self.costs, self.acceptance.calibration())
+        return StepPlan(
+            seqs,
+            decision.num_draft,
+            estimates,
+            decision.predicted_seconds,
+            decision.expected_tokens,
+        )
 
     def _pinned_k(self, params: SamplingParams) -> int | None:
         """The k a request runs with (its own, else the engine's), capped by the engine's
@@ -619,7 +626,7 @@ class Engine:
                 )
             self.acceptance.fade([s.seq_id for s in seqs])
             for seq, k, a, i in zip(seqs, num_draft, accepted, live, strict=True):
-                self.acceptance.observe(seq.seq_id, int(k), int(a))
+                self.acceptance.observe(seq.seq_id, int(k), int(a), plan.acceptance[i])
                 seq.stats.record_choice(plan.num_draft[i])
         committed = [
             self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
@@ -643,7 +650,13 @@ class Engine:
         ]
         self.speculation_log.record(
             StepRecord(
-                names, list(plan.num_draft), plan.acceptance, plan.predicted_seconds, seconds
+                names,
+                list(plan.num_draft),
+                plan.acceptance,
+                plan.predicted_seconds,
+                seconds,
+                plan.expected_tokens,
+                int(result.accepted.sum()) + rows,
             )
         )
 

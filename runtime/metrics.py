@@ -84,6 +84,8 @@ class StepRecord:
     acceptance: list[float]  # the estimates the choice was made with
     predicted_seconds: float | None
     measured_seconds: float
+    expected_tokens: float  # emitted tokens the choice expected, by the estimates
+    emitted_tokens: int  # accepted drafts plus one per sequence: what the step made
 
 
 class SpeculationLog:
@@ -98,6 +100,8 @@ class SpeculationLog:
         self.predicted_seconds = 0.0  # over those steps
         self.measured_seconds = 0.0  # ... the same steps, measured
         self.absolute_error_seconds = 0.0
+        self.expected_tokens = 0.0  # over the steps that had a prediction
+        self.emitted_tokens = 0  # ... the same steps
 
     def record(self, step: StepRecord) -> None:
         self.recent.append(step)
@@ -109,6 +113,8 @@ class SpeculationLog:
             self.predicted_seconds += step.predicted_seconds
             self.measured_seconds += step.measured_seconds
             self.absolute_error_seconds += abs(step.predicted_seconds - step.measured_seconds)
+            self.expected_tokens += step.expected_tokens
+            self.emitted_tokens += step.emitted_tokens
 
     def to_dict(self) -> dict:
         return {
@@ -118,6 +124,8 @@ class SpeculationLog:
             "predicted_seconds": self.predicted_seconds,
             "measured_seconds": self.measured_seconds,
             "absolute_error_seconds": self.absolute_error_seconds,
+            "expected_tokens": self.expected_tokens,
+            "emitted_tokens": self.emitted_tokens,
             "recent": [dataclasses.asdict(r) for r in self.recent],
         }
 

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from benchdoc import SCRATCH, cpu_class, machine_context, start_load, verdict, write_section
 
 from mlc_spec.compiler.cache import compiled
@@ -81,16 +82,24 @@ def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
             lines.append(f"| {dataset} | {label} | " + " | ".join(map(_cell, rows)) + " |")
     lines += ["", "Cells: output tok/s · TPOT p50/p99 ms."]
     auto_ratios, llama_ratios, tpot_ratios, policy = [], [], [], []
+    spreads = {}
     for dataset, res in results.items():
         s = res["settings"]
         for i, c in enumerate(CONCURRENCY):
-            none = s[NONE][i]["output_throughput"]
+            none = s[NONE][i]["output_throughput_by_repeat"]
             for a in autos:
-                auto_ratios.append((f"{dataset} C={c} {a}", s[a][i]["output_throughput"] / none))
+                # Paired by repeat: the two ran minutes apart at most, under the same host.
+                paired = np.divide(s[a][i]["output_throughput_by_repeat"], none)
+                name = f"{dataset} C={c} {a}"
+                auto_ratios.append((name, float(np.median(paired))))
+                spreads[name] = (
+                    f" [{paired.min():.2f}-{paired.max():.2f}]" if len(paired) > 1 else ""
+                )
                 p = s[a][i]["policy"]
                 if p:
                     policy.append(
-                        f"{dataset} C={c} {a}: {p['predicted_ms']:.1f}/{p['measured_ms']:.1f}"
+                        f"{name}: {p['predicted_ms']:.1f}/{p['measured_ms']:.1f} ms, "
+                        f"{p['expected_tokens']:.2f}/{p['emitted_tokens']:.2f} tokens"
                     )
             best = max(s[m][i]["output_throughput"] for m in mine)
             theirs = max(s[m][i]["output_throughput"] for m in llamas)
@@ -101,17 +110,18 @@ def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
                 tpot_ratios.append((dataset, ours / min(s[m][i]["p50_tpot"] for m in llamas)))
 
     def listed(pairs: list[tuple[str, float]]) -> str:
-        return ", ".join(f"{name} {r:.2f}x" for name, r in pairs)
+        return ", ".join(f"{name} {r:.2f}x{spreads.get(name, '')}" for name, r in pairs)
 
     lines += [
         "",
-        f"- Automatic speculation >= 1.0x no speculation in every cell: "
+        "- Automatic speculation >= 1.0x no speculation in every cell (the median of the "
+        "repeats' ratios [their range]): "
         f"{verdict(all(r >= 1.0 for _, r in auto_ratios), load)} ({listed(auto_ratios)})",
         f"- mlc-spec >= 3x llama-server's throughput at C >= 4 (best setting of each): "
         f"{verdict(all(r >= 3.0 for _, r in llama_ratios), load)} ({listed(llama_ratios)})",
         f"- TPOT p50 at C=1 <= 0.5x llama-server's (best of each): "
         f"{verdict(all(r <= 0.5 for _, r in tpot_ratios), load)} ({listed(tpot_ratios)})",
-        "- The speculation policy's mean step time, predicted / measured ms (`/stats`): "
+        "- The speculation policy per step, predicted / measured time and tokens (`/stats`): "
         + "; ".join(policy),
     ]
     return "\n".join(lines)
@@ -122,6 +132,7 @@ def main() -> None:
     parser.add_argument("--pair", choices=["smollm2", "qwen"], default="smollm2")
     parser.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="sweeps, interleaved")
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--write", type=Path, help="replace this pair's section of this page")
     args = parser.parse_args()
@@ -134,10 +145,12 @@ def main() -> None:
         bench.add_arguments(cli)
         argv = [*common, "--dataset", dataset, "--concurrency", *map(str, CONCURRENCY)]
         argv += ["--rounds", str(args.rounds), "--min-requests", str(args.min_requests)]
+        argv += ["--repeats", str(args.repeats)]
         argv += ["--output-dir", str(SCRATCH / f"serve-{args.pair}-{dataset}")]
         results[dataset] = bench.bench(cli.parse_args(argv))
     requests = (
-        f"max({args.min_requests}, {args.rounds} x concurrency) requests per level and server"
+        f"max({args.min_requests}, {args.rounds} x concurrency) requests per level and server, "
+        f"{args.repeats} repeats interleaved (tok/s: the median repeat's)"
     )
     text = section(args.pair, results, load, requests)
     title = {

@@ -362,6 +362,12 @@ def draft_length(value: str) -> str:
     return value
 
 
+def at_least_one(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def setting_label(speculative: str, k: str) -> str:
     method, _, own_k = speculative.partition(":")
     return "off" if method == "none" else f"{method} k={own_k or k}"
@@ -403,32 +409,69 @@ def engine_stats(base: str) -> dict[str, Any] | None:
     return None
 
 
-def policy_figures(before: dict | None, after: dict | None) -> dict[str, float] | None:
-    """The speculation policy over one level, from /stats before and after: its mean predicted
-    and measured step time and mean absolute error over the steps it predicted, and the share
-    of sequence-steps it gave drafts."""
-    if before is None or after is None or after["speculation"] is None:
+def policy_figures(stats: list[tuple[dict | None, dict | None]]) -> dict[str, float] | None:
+    """The speculation policy over one level's runs, from /stats before and after each: its
+    mean predicted and measured step time and mean absolute error over the steps it predicted,
+    the tokens it expected those steps to emit against what they did, and the share of
+    sequence-steps it gave drafts."""
+    if not stats or any(b is None or a is None or a["speculation"] is None for b, a in stats):
         return None
-    a, b = after["speculation"], before["speculation"]
-    steps = a["num_predicted"] - b["num_predicted"]
-    by_k = [
-        x - (b["sequence_steps_by_k"][k] if k < len(b["sequence_steps_by_k"]) else 0)
-        for k, x in enumerate(a["sequence_steps_by_k"])
-    ]
+
+    def delta(key: str) -> float:
+        return sum(a["speculation"][key] - b["speculation"][key] for b, a in stats)
+
+    steps = delta("num_predicted")
+    by_k: list[float] = []
+    for b, a in stats:
+        before, after = (
+            b["speculation"]["sequence_steps_by_k"],
+            a["speculation"]["sequence_steps_by_k"],
+        )
+        by_k += [0] * (len(after) - len(by_k))
+        for k, x in enumerate(after):
+            by_k[k] += x - (before[k] if k < len(before) else 0)
     if steps <= 0:
         return None
     return {
         "steps": steps,
-        "predicted_ms": 1000 * (a["predicted_seconds"] - b["predicted_seconds"]) / steps,
-        "measured_ms": 1000 * (a["measured_seconds"] - b["measured_seconds"]) / steps,
-        "abs_error_ms": 1000 * (a["absolute_error_seconds"] - b["absolute_error_seconds"]) / steps,
+        "predicted_ms": 1000 * delta("predicted_seconds") / steps,
+        "measured_ms": 1000 * delta("measured_seconds") / steps,
+        "abs_error_ms": 1000 * delta("absolute_error_seconds") / steps,
+        "expected_tokens": delta("expected_tokens") / steps,
+        "emitted_tokens": delta("emitted_tokens") / steps,
         "drafting_share": 1 - by_k[0] / sum(by_k) if by_k and sum(by_k) else 0.0,
     }
 
 
+@dataclasses.dataclass
+class Run:
+    """One server loaded at one level once."""
+
+    outcomes: list[Outcome]
+    seconds: float
+    started: float  # seconds into the sweep
+    stats: tuple[dict | None, dict | None]  # /stats before and after
+
+
+def level_row(concurrency: int, runs: list[Run]) -> dict[str, Any]:
+    """A server's row at one level over its repeats: latencies over every request, throughput
+    the median run's (one run that the host slowed does not move it)."""
+    row = summarize(
+        concurrency, [o for r in runs for o in r.outcomes], sum(r.seconds for r in runs)
+    )
+    by_run = [summarize(concurrency, r.outcomes, r.seconds) for r in runs]
+    for key in ("output_throughput", "request_throughput"):
+        row[f"{key}_by_repeat"] = [x[key] for x in by_run]
+        row[key] = float(np.median(row[f"{key}_by_repeat"]))
+    row["started"] = [r.started for r in runs]
+    row["policy"] = policy_figures([r.stats for r in runs])
+    return row
+
+
 def bench(args) -> dict[str, Any]:
     """The whole sweep; see ``add_arguments`` for what the options mean. Every server is
-    started (and warmed) first, then each concurrency level loads them in turn."""
+    started (and warmed) first, then each concurrency level loads them in turn, ``--repeats``
+    times over, the servers' order rotating each repeat so none always follows the same one."""
     body = {
         "model": args.served_model,
         "max_tokens": args.max_tokens,
@@ -438,6 +481,7 @@ def bench(args) -> dict[str, Any]:
     results: dict[str, Any] = {
         "command": shlex.join(["mlc-spec", *sys.argv[1:]]),
         "machine": machine(),
+        "repeats": args.repeats,
         "settings": {},
     }
     with contextlib.ExitStack() as stack:
@@ -445,26 +489,34 @@ def bench(args) -> dict[str, Any]:
         for label, server in servers(args):
             bases[label] = stack.enter_context(server)
             asyncio.run(run_level(bases[label], mixed_jobs(args.dataset, 2), body, 2, None, 0))
-        results["settings"] = {label: [] for label in bases}
-        start = time.perf_counter()
-        for concurrency in args.concurrency:
-            jobs = mixed_jobs(args.dataset, max(args.min_requests, args.rounds * concurrency))
-            for label, base in bases.items():
-                before, started = engine_stats(base), time.perf_counter() - start
-                outcomes, seconds = asyncio.run(
-                    run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
-                )
-                row = summarize(concurrency, outcomes, seconds)
-                row["policy"] = policy_figures(before, engine_stats(base))
-                row["started"] = started  # seconds into the sweep: the levels interleave
-                results["settings"][label].append(row)
-                print(
-                    f"[{label}] concurrency {concurrency}: {row['completed']}/{row['requests']} "
-                    f"ok, {row['output_throughput']:.1f} tok/s, TTFT p50 "
-                    f"{_ms(row['p50_ttft'])} ms, TPOT p50 {_ms(row['p50_tpot'])} ms",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        runs: dict[str, dict[int, list[Run]]] = {
+            label: {c: [] for c in args.concurrency} for label in bases
+        }
+        start, labels = time.perf_counter(), list(bases)
+        for repeat in range(args.repeats):
+            for concurrency in args.concurrency:
+                jobs = mixed_jobs(args.dataset, max(args.min_requests, args.rounds * concurrency))
+                turn = repeat % len(labels)
+                for label in labels[turn:] + labels[:turn]:
+                    base = bases[label]
+                    before, started = engine_stats(base), time.perf_counter() - start
+                    outcomes, seconds = asyncio.run(
+                        run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
+                    )
+                    run = Run(outcomes, seconds, started, (before, engine_stats(base)))
+                    runs[label][concurrency].append(run)
+                    row = summarize(concurrency, outcomes, seconds)
+                    print(
+                        f"[{label}] concurrency {concurrency}, repeat {repeat + 1}: "
+                        f"{row['completed']}/{row['requests']} ok, "
+                        f"{row['output_throughput']:.1f} tok/s, TTFT p50 "
+                        f"{_ms(row['p50_ttft'])} ms, TPOT p50 {_ms(row['p50_tpot'])} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        results["settings"] = {
+            label: [level_row(c, rs) for c, rs in levels.items()] for label, levels in runs.items()
+        }
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -489,6 +541,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"- Machine: `{m['cpu']}` (lscpu), {m['cores']} cores, vector flags "
         f"{' '.join(m['vector_flags'])}, no GPU; Python {m['python']}",
         f"- Command: `{results['command']}`",
+        f"- Each server loaded {results['repeats']} time(s) per level, interleaved; output tok/s "
+        "is the median run's, latencies are over every request",
         "",
         f"| server | concurrency | ok/sent | output tok/s | x {first} | TTFT p50 / p99 ms "
         "| TPOT p50 / p99 ms | acceptance | tokens/step | step ms predicted / measured |",
@@ -618,6 +672,12 @@ def add_arguments(p) -> None:
         help="let answers stop at EOS (default: exactly --max-tokens each, comparable work)",
     )
     p.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    p.add_argument(
+        "--repeats",
+        type=at_least_one,
+        default=1,
+        help="run the whole sweep this many times, interleaved; throughput is the median run's",
+    )
     p.add_argument("--min-requests", type=int, default=16, help="at least this many per level")
     p.add_argument("--max-batch-size", type=int, default=8, help="the servers' batch size")
     p.add_argument(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from mlc_spec.runtime.speculation import Candidate, Decision, StepCosts
@@ -13,7 +15,9 @@ class RandomK:
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
 
-    def choose(self, batch: list[Candidate], costs: StepCosts) -> Decision:
+    def choose(
+        self, batch: list[Candidate], costs: StepCosts, calibration: Sequence[float] = ()
+    ) -> Decision:
         ks = [
             c.pinned if c.pinned is not None else int(self.rng.integers(0, c.cap + 1))
             for c in batch

@@ -9,6 +9,7 @@ import json
 import stat
 
 import httpx
+import numpy as np
 import pytest
 from served import serving
 
@@ -42,31 +43,39 @@ def test_bench_serve_refuses_unknown_settings(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--speculative", "ngram:many"])
     assert "ngram:many" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--repeats", "0"])
+    assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_bench_serve_sweep(tiny_llama, tmp_path):
     argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--concurrency", "1", "3"]
-    argv += ["--max-tokens", "4", "--min-requests", "3", "--rounds", "1"]
+    argv += ["--max-tokens", "4", "--min-requests", "3", "--rounds", "1", "--repeats", "2"]
     argv += ["--speculative", "none", "ngram", "ngram:auto"]
     assert main([*argv, "--output-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["settings"]) == ["off", "ngram k=4", "ngram k=auto"]
     for rows in results["settings"].values():
         assert [r["concurrency"] for r in rows] == [1, 3]
-        assert all(r["completed"] == r["requests"] == 3 for r in rows), rows
+        assert all(r["completed"] == r["requests"] == 6 for r in rows), rows  # 3 per repeat
         assert all(r["p50_ttft"] > 0 and r["output_throughput"] > 0 for r in rows)
+        for r in rows:  # throughput is the median repeat's
+            assert r["output_throughput"] == pytest.approx(
+                np.median(r["output_throughput_by_repeat"])
+            )
     assert results["settings"]["off"][0]["acceptance_rate"] is None
     # Each level loads every server in turn: the last server's first level comes before the
-    # first server's second.
-    assert (
-        results["settings"]["ngram k=auto"][0]["started"] < results["settings"]["off"][1]["started"]
-    )
+    # first server's second; the second repeat starts with the second server.
+    started = {label: [r["started"] for r in rows] for label, rows in results["settings"].items()}
+    assert started["ngram k=auto"][0][0] < started["off"][1][0]
+    assert started["ngram k=4"][0][1] < started["ngram k=auto"][0][1] < started["off"][0][1]
     # The policy's predicted and measured step times, from the server's /stats.
     assert all(r["policy"] is None for r in results["settings"]["off"])
     policy = results["settings"]["ngram k=auto"][0]["policy"]
     assert policy["steps"] > 0 and policy["predicted_ms"] > 0 and policy["measured_ms"] > 0
+    assert policy["emitted_tokens"] >= 1 and policy["expected_tokens"] >= 1
     table = (tmp_path / "results.md").read_text()
-    assert "| x off |" in table and "| off | 1 | 3/3 |" in table
+    assert "| x off |" in table and "| off | 1 | 6/6 |" in table
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -44,6 +44,36 @@ def test_expected_tokens():
     assert expected_tokens(0.5, 0) == 1
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens(1.0, 4) == 5
+    # Calibrated by position; positions past the calibration count whole.
+    assert expected_tokens(0.5, 3, [0.5, 0.8]) == pytest.approx(1 + 0.25 + 0.2 + 0.125)
+
+
+def test_calibration_lowers_what_drafting_is_expected_to_make():
+    """A sequence estimated at 0.4 whose first drafts are accepted 1 time in 4, the second ones
+    always after that: the first position is priced at what it makes (0.25 of 0.4 expected),
+    the second (0.25 made of 0.16 expected) not above its estimate; without evidence the
+    calibration drifts back to 1."""
+    est = AcceptanceEstimator()
+    assert est.calibration() == []
+    for step in range(400):
+        est.fade([1])
+        est.observe(1, 2, 2 if step % 4 == 0 else 0, 0.4)
+    first, second = est.calibration()
+    assert first == pytest.approx(0.25 / 0.4, rel=0.05) and second == 1.0
+    for _ in range(1000):
+        est.fade([1])
+    assert est.calibration()[0] > 0.9
+
+
+def test_calibrated_policy_drafts_only_where_what_drafts_make_pays():
+    """Each verified token beyond the rows costs 0.45 of a decode row: at an estimate of 0.6 a
+    draft pays, at a calibrated 0.6 x 0.6 it does not."""
+    step = costs(
+        decode=lambda n: 0.01 * n, verify=lambda n: 0.01 * min(n, 8) + 0.0045 * max(0, n - 8)
+    )
+    assert sum(choose(batch([0.6] * 8, cap=1), step)) > 0
+    decision = GoodputPolicy().choose(batch([0.6] * 8, cap=1), step, [0.6])
+    assert decision.num_draft == [0] * 8 and decision.expected_tokens == 8
 
 
 def test_high_load_turns_speculation_off():
@@ -192,13 +222,13 @@ def simulate(step_costs: StepCosts, rows: int, alpha: float, steps: int) -> list
             Candidate(cap=K, pinned=None, acceptance=est.estimate(i), catch_up=2)
             for i in range(rows)
         ]
-        num_draft = GoodputPolicy().choose(cands, step_costs).num_draft
+        num_draft = GoodputPolicy().choose(cands, step_costs, est.calibration()).num_draft
         est.fade(list(range(rows)))
         for i, k in enumerate(num_draft):
             accepted = 0
             while accepted < k and rng.random() < alpha:
                 accepted += 1
-            est.observe(i, k, accepted)
+            est.observe(i, k, accepted, cands[i].acceptance)
         chosen.append(sum(num_draft))
     return chosen
 
@@ -262,8 +292,8 @@ def test_acceptance_prior_and_own_history():
     assert est.estimate(1) == 1.0  # no evidence: optimistic
     for _ in range(20):  # sequence 1 accepts every draft, sequence 2 none
         est.fade([1, 2])
-        est.observe(1, 4, 4)
-        est.observe(2, 4, 0)
+        est.observe(1, 4, 4, est.estimate(1))
+        est.observe(2, 4, 0, est.estimate(2))
     assert est.per_position()[0] == pytest.approx(0.5, abs=0.01)
     assert est.estimate(1) > 0.9 and est.estimate(2) < 0.3
     assert 0.6 < est.prior() < 0.85  # 84 accepted of 104 checked, pulled to the initial guess
@@ -273,11 +303,11 @@ def test_acceptance_recovers_when_the_text_changes_character():
     est = AcceptanceEstimator()
     for _ in range(30):
         est.fade([1])
-        est.observe(1, 4, 4)
+        est.observe(1, 4, 4, est.estimate(1))
     steps = 0
     while est.estimate(1) > 0.5:
         est.fade([1])
-        est.observe(1, 4, 0)
+        est.observe(1, 4, 0, est.estimate(1))
         steps += 1
     assert steps <= 10
     # Not drafting at all: the estimate drifts back to the prior, so drafting is tried again.

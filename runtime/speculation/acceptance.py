@@ -17,6 +17,15 @@ Every count fades each step, so an estimate follows a text that changes characte
 fresh evidence it drifts back to the prior, and the prior back to the optimistic bound: speculation
 that was switched off gets tried again, rarely (the engine-wide counts fade slowly), and only where
 it could pay at all.
+
+The estimates are calibrated against what the chosen drafts made, by draft position. Choosing
+drafts by estimate favours the sequences whose estimate is high by chance, and the geometric model
+prices a first draft like the later ones, though a first draft is the likeliest to be rejected
+(n-gram lookups on SmolLM2: 42% of first drafts accepted, 77-95% of the later ones given the ones
+before). Uncalibrated, the drafting steps of SmolLM2 int8 at 8 rows expected 5.3 accepted drafts
+and made 4.3, and the policy drafted where a plain decode was as fast. ``calibration()[j]`` is
+the ratio of accepted to expected (j+1)-th drafts, at most 1: a correction that only ever lowers
+what drafting is expected to make keeps the policy from trusting a lucky streak.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ PRIOR_WEIGHT = 2.0
 # Where drafting does not pay, the fading counts bring a try back every ~75 steps at batch 1 (one
 # draft) and every ~500 at batch 16 (tests/test_speculation_policy.py simulates both).
 OPTIMISM = 4.0
+# Calibration starts at 1 as if this many expected drafts per position had all been made, and
+# drifts back to 1 as its evidence fades (at ``ENGINE_DECAY``).
+CALIBRATION_PRIOR = 4.0
 
 
 class AcceptanceEstimator:
@@ -43,6 +55,8 @@ class AcceptanceEstimator:
         self.tested: list[float] = []  # [j]: draft tokens at position j that were checked
         self.accepted: list[float] = []  # [j]: ... and accepted
         self._own: dict[int, list[float]] = {}  # seq_id -> [accepted, rejected], fading
+        self.expected: list[float] = []  # [j]: (j+1)-th drafts the estimates expected accepted
+        self.made: list[float] = []  # [j]: ... and were
 
     def prior(self) -> float:
         """Engine-wide acceptance, pooled over positions, with ``OPTIMISM`` phantom acceptances."""
@@ -56,19 +70,39 @@ class AcceptanceEstimator:
         """Engine-wide acceptance of position j given positions before it were accepted."""
         return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tested, strict=True)]
 
+    def calibration(self) -> list[float]:
+        """Per draft position j, what the (j+1)-th drafts made against what their estimates
+        expected, at most 1; positions past the list: 1."""
+        return [
+            min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
+            for m, e in zip(self.made, self.expected, strict=True)
+        ]
+
     def fade(self, seq_ids: list[int]) -> None:
         """One step passed for these sequences (whether they drafted or not)."""
         self.tested = [t * ENGINE_DECAY for t in self.tested]
         self.accepted = [a * ENGINE_DECAY for a in self.accepted]
+        self.expected = [e * ENGINE_DECAY for e in self.expected]
+        self.made = [m * ENGINE_DECAY for m in self.made]
         for seq_id in seq_ids:
             own = self._own.get(seq_id)
             if own is not None:
                 own[0] *= SEQUENCE_DECAY
                 own[1] *= SEQUENCE_DECAY
 
-    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+    def observe(self, seq_id: int, proposed: int, accepted: int, estimate: float) -> None:
+        """A step's outcome for ``seq_id``: ``accepted`` of ``proposed`` drafts, chosen with
+        acceptance ``estimate``."""
         if proposed == 0:
             return
+        missing = proposed - len(self.expected)
+        if missing > 0:
+            self.expected += [0.0] * missing
+            self.made += [0.0] * missing
+        for j in range(proposed):
+            self.expected[j] += estimate ** (j + 1)
+        for j in range(accepted):
+            self.made[j] += 1
         checked = min(accepted + 1, proposed)  # positions up to and including the first reject
         missing = checked - len(self.tested)
         if missing > 0:

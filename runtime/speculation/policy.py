@@ -1,9 +1,11 @@
 """The choice of k: per sequence and step, the draft counts that maximise the batch's goodput.
 
 Goodput is expected emitted tokens per second of the step: sum_i E(alpha_i, k_i) / T(k), with
-E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) and T the step time predicted from measured costs.
-For a fixed total number of drafts, sum_i E is largest when each next draft goes to the sequence
-whose next draft has the highest chance of being emitted, alpha_i^(k_i+1) (E is concave in k). So
+E(alpha, k) = 1 + sum_{j<k} c_j alpha^(j+1) and T the step time predicted from measured costs;
+c_j <= 1 calibrates the estimates by draft position against what chosen drafts made
+(``AcceptanceEstimator.calibration``). For a fixed total number of drafts, sum_i E is largest
+when each next draft goes to the sequence whose next draft has the highest chance of being
+emitted, c_k alpha_i^(k_i+1). So
 the policy adds drafts in that order, one at a time, predicts each resulting step, and keeps the
 best; all-zero (the plain decode path) is one of the candidates. Costs are a step function of the
 pass sizes, so every total is evaluated rather than stopping at the first dip.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 
 from .costs import StepCosts, StepShape
 
@@ -45,19 +48,29 @@ class Decision:
     charged_seconds: float | None = None  # predicted_seconds with catch-ups spread, not whole
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a step emits for a sequence with k drafts: accepted drafts plus the target's own."""
-    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(alpha: float, k: int, calibration: Sequence[float] = ()) -> float:
+    """Tokens a step emits for a sequence with k drafts: accepted drafts plus the target's own,
+    the (j+1)-th draft's chance alpha^(j+1) scaled by ``calibration[j]`` (1 past its end)."""
+    return 1.0 + sum(_factor(calibration, j) * alpha ** (j + 1) for j in range(k))
+
+
+def _factor(calibration: Sequence[float], j: int) -> float:
+    return calibration[j] if j < len(calibration) else 1.0
 
 
 class GoodputPolicy:
-    def choose(self, batch: list[Candidate], costs: StepCosts) -> Decision:
+    def choose(
+        self, batch: list[Candidate], costs: StepCosts, calibration: Sequence[float] = ()
+    ) -> Decision:
         num_draft = [c.pinned if c.pinned is not None else 0 for c in batch]
         catch_up = [c.catch_up for c in batch]
         # Per sequence: its catch-up's whole cost, and that cost per token it has left.
         once = [costs.draft.catch_up_seconds(n) or 0.0 for n in catch_up]
         share = [once[i] / max(1, min(c.tokens_left, HORIZON_TOKENS)) for i, c in enumerate(batch)]
-        emitted = [expected_tokens(c.acceptance, k) for c, k in zip(batch, num_draft, strict=True)]
+        emitted = [
+            expected_tokens(c.acceptance, k, calibration)
+            for c, k in zip(batch, num_draft, strict=True)
+        ]
         drafting = [i for i, k in enumerate(num_draft) if k]
         shape = StepShape.of(num_draft, catch_up)
         tokens = sum(emitted)
@@ -65,22 +78,28 @@ class GoodputPolicy:
         spread = sum(share[i] * emitted[i] for i in drafting)
         step = costs.predict(shape)
         best = _decision(num_draft, step, whole, spread, tokens)
-        # Next drafts by their chance to be emitted: alpha^(k+1) for the (k+1)-th.
-        queue = [(-c.acceptance, i) for i, c in enumerate(batch) if c.pinned is None and c.cap > 0]
+        # Next drafts by their chance to be emitted: c_k alpha^(k+1) for the (k+1)-th.
+        chance = [c.acceptance for c in batch]  # alpha^(k+1), uncalibrated
+        queue = [
+            (-_factor(calibration, 0) * c.acceptance, i)
+            for i, c in enumerate(batch)
+            if c.pinned is None and c.cap > 0
+        ]
         if step is None or not queue:
             return best
         heapq.heapify(queue)
         while queue:
-            gain, i = heapq.heappop(queue)
+            gain, i = heapq.heappop(queue)  # minus the new draft's chance to be emitted
             if num_draft[i] == 0:  # starts drafting: its catch-up, and its one emitted token
                 whole += once[i]
                 spread += share[i]
             shape.add_draft(num_draft[i], catch_up[i])
             num_draft[i] += 1
-            tokens -= gain  # minus the chance the new draft is emitted: -alpha^k for the k-th
+            tokens -= gain
             spread -= gain * share[i]
             if num_draft[i] < batch[i].cap:
-                heapq.heappush(queue, (gain * batch[i].acceptance, i))
+                chance[i] *= batch[i].acceptance
+                heapq.heappush(queue, (-_factor(calibration, num_draft[i]) * chance[i], i))
             step = costs.predict(shape)
             if step is None:
                 continue
