@@ -142,6 +142,8 @@ class Occupancy:
     num_waiting: int  # queued, or preempted and queued again
     free_pages: int
     capacity_pages: int
+    prefix_cache_queries: int  # tokens looked up as sequences entered the cache, all along
+    prefix_cache_hits: int  # ... and found there
 
 
 class Engine:
@@ -165,7 +167,10 @@ class Engine:
                 f"{config.prefill_chunk_size}, the most one forward pass takes"
             )
         self.kv = target.create_kv_cache(
-            config.max_batch_size, config.max_total_len, config.prefill_chunk_size
+            config.max_batch_size,
+            config.max_total_len,
+            config.prefill_chunk_size,
+            prefix_cache=config.enable_prefix_caching,
         )
         self.capacity_pages = self.kv.available_pages()
         self.scheduler = Scheduler(config.max_batch_size, self.kv.page_size)
@@ -174,6 +179,8 @@ class Engine:
         self.stats = SpecStats()
         self.timers = Timers()
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache as sequences enter
+        self.prefix_cache_hits = 0  # ... and found there
         self.acceptance = AcceptanceEstimator()
         draft_costs = proposer.costs if proposer else DraftCosts(model=False)
         self.costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs)
@@ -295,6 +302,8 @@ class Engine:
             len(self.scheduler.waiting),
             self.kv.available_pages() if in_flight is None else in_flight.free_pages,
             self.capacity_pages,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -476,6 +485,8 @@ class Engine:
     def _commit_prefill(self, work: PrefillWork, result: PrefillResult) -> list[Emitted]:
         for seq, tokens in work.restored + work.fresh:
             seq.kv_len += len(tokens)
+            if seq.kv_len == self._feed_end(seq):  # shareable with prompts arriving meanwhile
+                self.kv.cache_prefix(seq.seq_id, seq.tokens[: seq.kv_len])
         committed = []
         for seq, token, row in result.first:
             if seq.index > 0:  # a sample forked from its prompt's sequence
@@ -719,11 +730,18 @@ class Engine:
                 self._enter_cache(seq)
 
     def _enter_cache(self, seq: Sequence) -> None:
-        self.kv.add_sequence(seq.seq_id)
-        seq.in_cache, seq.kv_len = True, 0
+        """Into the KV cache, starting from the longest cached prefix of what it feeds."""
+        feed = seq.tokens[: self._feed_end(seq)]
+        seq.kv_len = self.kv.add_sequence_with_prefix(seq.seq_id, feed)
+        seq.in_cache = True
+        self.prefix_cache_queries += len(feed)
+        self.prefix_cache_hits += seq.kv_len
+        if not seq.num_output:
+            seq.request.num_cached_tokens = seq.kv_len
 
     def _free(self, seq: Sequence) -> None:
         if seq.in_cache:
+            self.kv.cache_prefix(seq.seq_id, seq.tokens[: seq.kv_len])
             self.kv.remove_sequence(seq.seq_id)
             seq.in_cache, seq.kv_len = False, 0
         if self.proposer:
@@ -732,25 +750,23 @@ class Engine:
             self.acceptance.forget(seq.seq_id)
 
     def _delta(self, request: Request) -> RequestOutput:
-        outputs = [
-            s.output.completion(s.index, s.finish_reason, s.stats, delta=True)
-            for s in request.sequences
-        ]
-        finished = not request.unfinished
-        if finished:
+        if not request.unfinished:
             self._requests.pop(request.request_id, None)
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, finished
-        )
+        return request.output(delta=True)
 
     # ---- metrics ------------------------------------------------------------------------
     def metrics(self) -> dict:
-        """Engine-wide speculation counters, seconds and calls per phase, and the speculation
-        policy's decisions with the measurements behind them."""
+        """Engine-wide speculation counters, seconds and calls per phase, the prefix cache's
+        tokens looked up and found, and the speculation policy's decisions with the
+        measurements behind them."""
         return {
             **self.stats.to_dict(),
             "seconds": dict(self.timers.seconds),
             "calls": dict(self.timers.calls),
+            "prefix_cache": {
+                "query_tokens": self.prefix_cache_queries,
+                "hit_tokens": self.prefix_cache_hits,
+            },
             "speculation": self.speculation_metrics(),
         }
 

@@ -26,6 +26,8 @@ import tvm_ffi
 
 from mlc_spec.errors import UserError
 
+from .prefix_cache import PrefixCache
+
 
 class KVCacheFull(UserError):
     """A forward pass needs more pages than are free (the engine plans to avoid it)."""
@@ -35,6 +37,16 @@ class PagedKVCache(Protocol):
     page_size: int
 
     def add_sequence(self, seq_id: int) -> None: ...
+
+    def add_sequence_with_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """Add ``seq_id`` holding the K/V of the longest cached prefix of ``tokens`` that leaves
+        its last token to compute (automatic prefix caching); returns that prefix's length."""
+        ...
+
+    def cache_prefix(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Keep the K/V that ``seq_id`` holds for ``tokens`` (its first positions) for later
+        sequences starting with them."""
+        ...
 
     def remove_sequence(self, seq_id: int) -> None: ...
 
@@ -103,9 +115,10 @@ class _Sequence:
 class PagePool:
     """Pages of ``page_size`` tokens in ``pages`` [layers, num_pages, 2, kv heads, page_size x
     head size] (layout: ``compiler/cpu_attention.page_layout``), shared copy-on-write between
-    forked sequences (a reference count per page)."""
+    forked sequences (a reference count per page), and with ``prefix_cache`` kept for later
+    sequences (``runtime/prefix_cache.py``) until their pages are needed."""
 
-    def __init__(self, pages: tvm.runtime.Tensor, page_size: int):
+    def __init__(self, pages: tvm.runtime.Tensor, page_size: int, prefix_cache: bool = False):
         self.pages = pages
         self.page_size = page_size
         self._view = np.from_dlpack(pages)  # for copying a shared page before it is written
@@ -114,11 +127,29 @@ class PagePool:
         self._refs = np.zeros(num_pages, np.int32)
         self._seqs: dict[int, _Sequence] = {}
         self._tables = _HostTables()  # valid for one forward pass at a time
+        self.prefix = PrefixCache(page_size) if prefix_cache else None
 
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the KV cache")
         self._seqs[seq_id] = _Sequence()
+
+    def add_sequence_with_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
+        self.add_sequence(seq_id)
+        if self.prefix is None:
+            return 0
+        shared = self.prefix.match(tokens[: len(tokens) - 1])
+        self._refs[shared] += 1
+        self._seqs[seq_id] = _Sequence(shared, len(shared) * self.page_size)
+        return self._seqs[seq_id].length
+
+    def cache_prefix(self, seq_id: int, tokens: Sequence[int]) -> None:
+        if self.prefix is None:
+            return
+        seq = self._seq(seq_id)
+        whole = min(len(tokens), seq.length) // self.page_size
+        added = self.prefix.store(tokens[: whole * self.page_size], seq.pages[:whole])
+        self._refs[added] += 1
 
     def remove_sequence(self, seq_id: int) -> None:
         self._release(self._seq(seq_id).pages)
@@ -147,7 +178,12 @@ class PagePool:
         return self._seq(seq_id).length
 
     def available_pages(self) -> int:
-        return len(self._free)
+        """Free pages, and cached ones that no sequence uses (taken back when needed)."""
+        cached = 0 if self.prefix is None else self.prefix.evictable(self._ref)
+        return len(self._free) + cached
+
+    def _ref(self, page: int) -> int:
+        return int(self._refs[page])
 
     @contextmanager
     def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple]:
@@ -185,6 +221,8 @@ class PagePool:
             seq.pages.append(self._take())
 
     def _take(self) -> int:
+        if not self._free and self.prefix is not None:
+            self._release(self.prefix.evict(1, self._ref))
         if not self._free:
             raise KVCacheFull("the KV cache has no free page left")
         page = self._free.pop()
@@ -221,6 +259,15 @@ class TVMKVCache:
 
     def add_sequence(self, seq_id: int) -> None:
         self._f["kv_state_add_sequence"](self.handle, seq_id)
+
+    def add_sequence_with_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """No prefix cache on this path yet: TVM's cache computes a block's rows other than
+        its decode rows (docs/exactness.md), so reused K/V could change an output."""
+        self.add_sequence(seq_id)
+        return 0
+
+    def cache_prefix(self, seq_id: int, tokens: Sequence[int]) -> None:
+        pass
 
     def remove_sequence(self, seq_id: int) -> None:
         self._f["kv_state_remove_sequence"](self.handle, seq_id)

@@ -29,11 +29,18 @@ class LLM:
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
         async_scheduling: bool = False,
+        enable_prefix_caching: bool = True,
     ):
         self.speculative = SpeculativeConfig.parse(speculative, draft_model is not None)
         self.model = Model(model)
         self.tokenizer = Tokenizer(model)
-        config = EngineConfig(max_batch_size, max_total_len, prefill_chunk_size, async_scheduling)
+        config = EngineConfig(
+            max_batch_size,
+            max_total_len,
+            prefill_chunk_size,
+            async_scheduling=async_scheduling,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         proposer = build_proposer(self.speculative, draft_model, self.model, self.tokenizer, config)
         self.engine = Engine(self.model, self.tokenizer, config, proposer, self.speculative)
 
@@ -47,7 +54,7 @@ class LLM:
         requests = self._add(prompts, params)
         for _ in self._run(requests):
             pass
-        return [self._final(r) for r in requests]
+        return [r.output(delta=False) for r in requests]
 
     def stream(
         self,
@@ -111,13 +118,3 @@ class LLM:
     def _abort(self, requests: list[Request]) -> None:
         for r in requests:
             self.engine.abort(r.request_id)
-
-    @staticmethod
-    def _final(request: Request) -> RequestOutput:
-        outputs = [
-            s.output.completion(s.index, s.finish_reason, s.stats, delta=False)
-            for s in request.sequences
-        ]
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, True
-        )

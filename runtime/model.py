@@ -102,10 +102,12 @@ class Model:
         max_total_len: int,
         prefill_chunk_size: int,
         page_size: int = PAGE_SIZE,
+        prefix_cache: bool = False,
     ) -> PagedKVCache:
         """Room for ``max_total_len`` tokens of all sequences together; TVM's KV cache object
         also takes at most ``max_batch_size`` sequences and ``prefill_chunk_size`` tokens a
-        forward pass."""
+        forward pass. ``prefix_cache``: keep ended sequences' pages for reuse (CPU artifacts;
+        ``runtime/prefix_cache.py``)."""
         if page_size != PAGE_SIZE:
             raise ArtifactError(
                 f"page size {page_size} is not supported: the paged-KV kernels are built for "
@@ -120,7 +122,8 @@ class Model:
                 m["num_key_value_heads"],
                 page_size * m["head_dim"],
             )
-            return PagePool(tvm.runtime.empty(shape, m["dtype"], self.device), page_size)
+            pages = tvm.runtime.empty(shape, m["dtype"], self.device)
+            return PagePool(pages, page_size, prefix_cache)
         shape = tvm_ffi.Shape
         handle = self._fn["create_paged_kv_cache"](
             shape([max_batch_size]),

@@ -131,6 +131,9 @@ class EngineConfig:
     max_batch_size: int = 8  # sequences decoded together
     max_total_len: int = 8192  # tokens the KV cache holds, all sequences together
     prefill_chunk_size: int = 512  # tokens per prefill forward pass
+    # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
+    # (CPU artifacts; outputs are the same either way, docs/exactness.md).
+    enable_prefix_caching: bool = True
     # Run each step's forward on a worker thread while the host processes the last step's
     # tokens (text, stop strings, streaming); outputs are the same either way.
     async_scheduling: bool = False

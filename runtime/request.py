@@ -80,10 +80,26 @@ class Request:
     arrival: int
     status: Status = Status.WAITING
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache when it entered
 
     @property
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.sequences if not s.finished]
+
+    def output(self, delta: bool) -> RequestOutput:
+        """Its outputs: what the last step added (``delta``), or everything so far."""
+        outputs = [
+            s.output.completion(s.index, s.finish_reason, s.stats, delta=delta)
+            for s in self.sequences
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            not self.unfinished,
+            self.num_cached_tokens,
+        )
 
 
 @dataclasses.dataclass
@@ -107,3 +123,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache

@@ -7,8 +7,8 @@ weighs on both alike; separate ``bench_cpu`` runs minutes apart spread more than
 being judged. Both are one system (TVM, one thread pool), so they share a process, unlike
 ``bench_cpu``'s systems. Prints prefill, decode and verify-K figures for each artifact (median
 and range over rounds), the ratio B / A of the medians, and the run's context. Its result
-belongs in the commit message and, once judged, in docs/benchmarks.md's "what was tried" list
-(``benchdoc.TRIED``), not in a table of its own there.
+belongs in the commit message and, once judged, in the "Tried and left out" list at the end of
+docs/kernels.md, not in a table of its own in docs/benchmarks.md.
 
     python scripts/bench_ab.py A_ARTIFACT B_ARTIFACT [--threads N] [--repeats 10]
 """

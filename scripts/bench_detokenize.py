@@ -138,7 +138,7 @@ def main() -> None:
             "1 (Python; each decode is one call into the Rust tokenizer)",
         ),
         "",
-        "Microseconds of host time per output token, best of "
+        "Microseconds of host time per output token at each output length, best of "
         f"{args.repeats} runs, all figures from this one run. *Incremental*: the output "
         "processor (`runtime/output_processor.py`) on the new tokens only; *full re-decode*: "
         "the engine's way before it, the whole output decoded again after every step (and "
@@ -147,25 +147,23 @@ def main() -> None:
         f"{min(args.lengths)}-token outputs are consecutive pieces of the "
         f"{max(args.lengths)}-token one: the same text at every length.",
         "",
-        "| tokenizer | tokens/step | stop string | output tokens | incremental µs/token "
-        "| full re-decode µs/token | re-decode / incremental |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| tokenizer | tokens/step | stop string | "
+        + " | ".join(f"incremental at {n}" for n in args.lengths)
+        + " | "
+        + " | ".join(f"full re-decode at {n}" for n in args.lengths)
+        + " |",
+        "|---|---:|---|" + "---:|" * 2 * len(args.lengths),
     ]
-    for model, per_step, stop, length, inc, full in rows:
+    per_token = {row[:4]: row[4:] for row in rows}  # (model, per step, stop, length) -> µs
+    for model, per_step, stop in dict.fromkeys(row[:3] for row in rows):
+        times = [per_token[(model, per_step, stop, n)] for n in args.lengths]
         lines.append(
-            f"| {model} | {per_step} | {'yes' if stop else 'no'} | {length} | {inc:.1f} "
-            f"| {full:.1f} | {full / inc:.1f}x |"
+            f"| {model} | {per_step} | {'yes' if stop else 'no'} | "
+            + " | ".join(f"{inc:.1f}" for inc, _ in times)
+            + " | "
+            + " | ".join(f"{full:.1f}" for _, full in times)
+            + " |"
         )
-    lines += ["", f"Growth from {min(args.lengths)} to {max(args.lengths)} output tokens:", ""]
-    for model, per_step, stop, length, inc, full in rows:
-        if length == max(args.lengths):
-            short = next(
-                r for r in rows if r[:3] == (model, per_step, stop) and r[3] == min(args.lengths)
-            )
-            lines.append(
-                f"- {model}, {per_step} tokens/step, stop string {'yes' if stop else 'no'}: "
-                f"incremental x{inc / short[4]:.2f}, full re-decode x{full / short[5]:.1f}"
-            )
     section = "\n".join(lines)
     print(section)
     if args.write:

@@ -5,11 +5,11 @@ sections in a fixed order that the scripts rewrite and nobody edits by hand.
 
 Each benchmark script owns sections between ``<!-- key:start STAMP -->`` / ``<!-- key:end -->``
 markers (STAMP: when it was written, UTC) and rewrites only its own. Every write re-renders the
-whole page: the fixed header, the headline groups first (their sections newest first), the
-"what was tried and left out" list kept in ``TRIED`` below, then the other still-current
-measurements. Each group keeps at most a few sections (the oldest leaves, git keeps it), and a
-key that belongs to no group of the page (a kernel A/B, say) goes to a scratch file instead, so
-no script can grow the page without bound.
+whole page: the fixed header, the headline groups first (their sections newest first), a
+pointer to what was tried and left out (docs/kernels.md keeps that list), then the other
+still-current measurements. Each group keeps at most a few sections (the oldest leaves, git
+keeps it), and a key that belongs to no group of the page (a kernel A/B, say) goes to a
+scratch file instead, so no script can grow the page without bound.
 
     python scripts/benchdoc.py [PAGE] [--drop KEY ...]   # re-render PAGE, dropping KEYs
 """
@@ -139,56 +139,6 @@ OTHER_NOTE = (
     "where the forward keeps both cores busy and the host's share of a step was 0-2%. The "
     "fidelity of int8 activations against llama.cpp's own: docs/quantization.md "
     "(`scripts/bench_fidelity.py`)."
-)
-
-# What was tried and left out, one line each: what, its measured effect, when. Kernel A/B tables
-# no longer live on the page; their outcome does (the runs themselves are in git's history).
-TRIED = (
-    "software prefetch of the int8 weight stream 2-8 groups ahead: no measurable gain (the "
-    "code prefetch 4 KB ahead, kept, gave 0.65-0.99x per layer) (2026-11-23)",
-    "weights in transparent huge pages (`MADV_HUGEPAGE`): Qwen decode 40.0/37.7/40.6 ms against "
-    "39.2/36.9/39.1 with 4 KB pages (2026-11-23)",
-    "AVX2 int8 passes of 8 rows (and 8-row prefill tiles): faster alone, not in the whole "
-    "model; AVX2 keeps 4 (2026-11-23)",
-    "two vectors per sweep at 5-6 rows: registers crowded; one vector verifies 5/6 Qwen tokens "
-    "in 0.84x/0.86x the time (2026-11-23)",
-    "Q4_1 swept 2 vectors at 4-7 rows (Intel VNNI): 0.76-0.91x alone, even with 4 vectors once "
-    "the code prefetch came, removed (2026-11-23)",
-    "sweeps of 1 or 2 vectors at 4-8 rows: 4 fastest or within a few percent (Q6_K: 2 vectors up "
-    "to 1.23x slower) (2026-11-24)",
-    "the int8 dot's float conversion as a bias subtraction instead of `vcvtdq2ps`: 0.98-1.02x, "
-    "that port is not the bound (2026-11-24)",
-    "two accumulation chains per dot: 0.93-0.95x the time, superseded by the rows advancing "
-    "together (`c505b51`) (2026-11-24)",
-    "prefetch distances of 8-16 KB (L2) and 0.5-2 KB (L1): alike, 0.99-1.03x (2026-11-24)",
-    "L1-only prefetches spread over the rows: 1.1-1.2x the time on DRAM-bound shapes (Qwen's "
-    "down projection, LM heads) (2026-11-24)",
-    "`prefetcht1` (L2) in place of the L1 code prefetch: LM head from DRAM 0.85-0.96x, but "
-    "SmolLM2 (resident in L3) verify 2/4 1.06x (2026-11-24)",
-    "L2 prefetches with locality 1 instead of 2: 0.96-0.99x alone, no better than the scale "
-    "prefetch in the whole model (2026-11-24)",
-    "AMX-INT8 for the int8 matmul: same bits, 1.2-2x slower at 2-8 rows (one tile multiply per "
-    "32-column group) (2026-11-24)",
-    "activation quantization 16 groups at a time: the kernel 0.61-0.65x, whole verify 8 1.002x, "
-    "~5 s more compile per kernel (2026-11-24)",
-    "8-lane (ymm) tiles in the paged attention kernel: 12.4 against 10.2 µs at 4 rows, 19.3 "
-    "against 15.9 µs at 8 (2026-11-24)",
-    "two accumulator sets for the attention values (16 chains): 1.00x (2026-11-24)",
-    "two query rows side by side in the paged prefill kernel: 31 -> 41 µs for 8 rows, spills "
-    "(2026-11-23)",
-    "even and odd keys' values summed apart: no change (2026-11-23)",
-    "every ragged chunk as a whole one, reading past its keys: 1.12-1.22x at 2-9 rows (2026-11-24)",
-    "ragged attention tasks of 4 rows instead of 8: 1.01-1.24x (2026-11-24)",
-    "TVM's softmax-state merge with vector blends: 1.06 against 0.97 µs for 8 rows, bound by "
-    "`exp2`/`log2` (2026-11-24)",
-    "SiLU without its division: 1.80 against 2.10 µs at 4 rows, bound by `exp`, ~0.01-0.03 ms a "
-    "step; not built (2026-11-24)",
-    "a page split of the paged kernel, a RoPE frequency table, fused small kernels: each "
-    "estimated <= 0.05 ms of a SmolLM2 verify 8; not built (2026-11-24)",
-    "a draft LM head scoring the first 65536 ids: 3% shorter accepted runs (3.74 -> 3.61 at "
-    "k=4), no faster end to end than 100000, which is kept (2026-11-23)",
-    "llama.cpp's AMX path (`GGML_NATIVE` on a Sapphire Rapids VM): illegal instruction or "
-    "segfault at the first prefill; the reference is built without AMX (2026-11-23)",
 )
 
 
@@ -382,7 +332,10 @@ def render(sections: list[Section], main_page: bool) -> str:
 
     for group in HEADLINE:
         emit(group, f"No run written yet. Reproduce: {group.empty}")
-    parts.append("## What was tried and left out\n\n" + "\n".join(f"- {t}" for t in TRIED))
+    parts.append(
+        "## What was tried and left out\n\nKernels, prefetching, AMX and the rest, one line each "
+        "with its measured effect: docs/kernels.md, at the end."
+    )
     for group in OTHER:
         emit(group, group.empty)
     parts.append(OTHER_NOTE)

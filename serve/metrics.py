@@ -51,6 +51,13 @@ class ServerMetrics:
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _E2E
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Tokens looked up in the prefix cache as sequences entered."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Tokens found in the prefix cache (their K/V reused)."
+        )
+        self._prefix_seen = (0, 0)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
             "mlc_spec:request_success",
@@ -79,7 +86,11 @@ class ServerMetrics:
         self._request_success.labels(self._model_name, reason).inc()
 
     def observe_engine(self, occupancy: Occupancy, stats: SpecStats) -> None:
-        """Load gauges now, and the engine-wide speculation counters' growth since last time."""
+        """Load gauges now, and the engine-wide counters' growth since last time."""
+        queries, hits = occupancy.prefix_cache_queries, occupancy.prefix_cache_hits
+        self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_cache_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
         self.num_requests_running.set(occupancy.num_running)
         self.num_requests_waiting.set(occupancy.num_waiting)
         used = occupancy.capacity_pages - occupancy.free_pages

@@ -21,6 +21,7 @@ from .protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     Speculation,
     TopLogprob,
     Usage,
@@ -43,10 +44,12 @@ class ResponseBuilder:
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = response_id(chat)
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
         self.samples = [_Sample() for _ in range(n)]
 
     # ---- whole responses ------------------------------------------------------------------
     def add(self, delta: RequestOutput) -> None:
+        self.cached_tokens = delta.num_cached_tokens
         for out in delta.outputs:
             sample = self.samples[out.index]
             sample.text += out.text
@@ -94,6 +97,7 @@ class ResponseBuilder:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
 
     def speculation(self) -> Speculation:

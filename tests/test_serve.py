@@ -143,6 +143,13 @@ def test_models_health_and_metrics(server):
     server.client().completions.create(
         model="tiny", prompt="w5 w6 w5 w6 w5 w6", max_tokens=8, **GREEDY
     )
+    # The prefix cache: a 40-token prompt sent again finds its two whole pages of 16.
+    prompt = " ".join(f"w{10 + i}" for i in range(40))
+    usages = [
+        server.client().completions.create(model="tiny", prompt=prompt, max_tokens=2).usage
+        for _ in range(2)
+    ]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 32]
     m = server.wait_idle()
     for name in (
         "mlc_spec:kv_cache_usage_perc",
@@ -157,6 +164,8 @@ def test_models_health_and_metrics(server):
         "mlc_spec:spec_decode_num_accepted_tokens_total",
         "mlc_spec:spec_decode_num_accepted_tokens_per_pos_total{position=0}",
         "mlc_spec:spec_decode_draft_length_count",
+        "mlc_spec:prefix_cache_queries_total",
+        "mlc_spec:prefix_cache_hits_total",
     ):
         assert name in m, name
         assert m[name] > 0 or name == "mlc_spec:kv_cache_usage_perc", name

@@ -85,6 +85,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size,
         max_total_len=args.max_total_len,
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     name = args.served_model_name or Path(model).name
     config = ServerConfig(
@@ -278,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="run each step's forward while the last step's tokens are turned into text and "
         "streamed (default: on)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep ended requests' KV pages and start new prompts from the longest cached "
+        "prefix; outputs are the same either way (default: on)",
     )
     p.set_defaults(run=_serve)
 

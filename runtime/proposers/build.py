@@ -33,7 +33,11 @@ def build_proposer(
     draft = Model(draft_model)
     _check_same_vocabulary(draft, Tokenizer(draft_model), target, tokenizer)
     return DraftModelProposer(
-        draft, config.max_batch_size, config.max_total_len, config.prefill_chunk_size
+        draft,
+        config.max_batch_size,
+        config.max_total_len,
+        config.prefill_chunk_size,
+        config.enable_prefix_caching,
     )
 
 

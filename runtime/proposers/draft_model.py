@@ -28,10 +28,17 @@ class DraftModelProposer(Proposer):
     """
 
     def __init__(
-        self, model: Model, max_batch_size: int, max_total_len: int, prefill_chunk_size: int
+        self,
+        model: Model,
+        max_batch_size: int,
+        max_total_len: int,
+        prefill_chunk_size: int,
+        prefix_cache: bool = False,
     ):
         self.model, self.chunk_size = model, prefill_chunk_size
-        self.kv = model.create_kv_cache(max_batch_size, max_total_len, prefill_chunk_size)
+        self.kv = model.create_kv_cache(
+            max_batch_size, max_total_len, prefill_chunk_size, prefix_cache=prefix_cache
+        )
         self.costs = DraftCosts(model=True)
         self._known: set[int] = set()
 
@@ -57,8 +64,8 @@ class DraftModelProposer(Proposer):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         start = time.perf_counter()
         for seq in seqs:
-            if seq.seq_id not in self._known:
-                self.kv.add_sequence(seq.seq_id)
+            if seq.seq_id not in self._known:  # from the prefix cache's pages where it can
+                self.kv.add_sequence_with_prefix(seq.seq_id, seq.tokens)
                 self._known.add(seq.seq_id)
         ids = [s.seq_id for s in seqs]
         feeds = [s.tokens[self.kv.sequence_length(s.seq_id) :] for s in seqs]
@@ -105,5 +112,8 @@ class DraftModelProposer(Proposer):
 
     def remove(self, seq: Sequence) -> None:
         if seq.seq_id in self._known:
+            # Its cache holds the sequence's tokens (rejected drafts were popped), and past
+            # them at most drafts that were never verified: those are left out.
+            self.kv.cache_prefix(seq.seq_id, seq.tokens)
             self.kv.remove_sequence(seq.seq_id)
             self._known.discard(seq.seq_id)

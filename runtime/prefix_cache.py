@@ -1,0 +1,104 @@
+"""Automatic prefix caching: whole pages of K/V kept after their sequence ends, found again by the
+tokens that wrote them.
+
+A page's keys and values are a function of the tokens up to its end and nothing else: every row
+is computed the same way whichever pass, chunk or batch it falls in (docs/exactness.md). So a new
+sequence whose first ``n`` pages of tokens equal a cached chain can share those pages instead of
+computing them, and its output is bit for bit the one it would have had without the cache.
+
+The cache is a tree with one node per page, keyed by the page's tokens under its parent (a radix
+tree at page granularity, exact: no hashes, so no collision can hand over wrong K/V). It holds
+one reference on each of its pages in the page pool; a page that only the cache holds is free to
+take back, least recently used leaf first, when the pool runs out of free pages. A page some
+sequence uses is never evicted, and neither is a node with children (they would be lost with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+
+
+@dataclasses.dataclass(eq=False)
+class _Node:
+    page: int
+    parent: _Node | None
+    tokens: tuple[int, ...]
+    last_used: int = 0
+    children: dict[tuple[int, ...], _Node] = dataclasses.field(default_factory=dict)
+
+
+class PrefixCache:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._root = _Node(-1, None, ())
+        self._clock = itertools.count(1)
+        self.num_pages = 0
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """The pages of the longest cached chain that ``tokens`` start with, whole pages only;
+        the chain counts as just used."""
+        node, pages, now = self._root, [], next(self._clock)
+        for chunk in self._chunks(tokens):
+            node = node.children.get(chunk)
+            if node is None:
+                break
+            node.last_used = now
+            pages.append(node.page)
+        return pages
+
+    def store(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Cache the whole pages of ``tokens`` (``pages[i]`` holds tokens ``i * page_size``
+        onwards); returns the pages newly cached, on which the caller takes a reference. A page
+        whose tokens are cached already stays with its sequence."""
+        node, added, now = self._root, [], next(self._clock)
+        for chunk, page in zip(self._chunks(tokens), pages, strict=False):
+            child = node.children.get(chunk)
+            if child is None:
+                child = node.children[chunk] = _Node(page, node, chunk)
+                added.append(page)
+            child.last_used = now
+            node = child
+        self.num_pages += len(added)
+        return added
+
+    def evictable(self, refs: Callable[[int], int]) -> int:
+        """Pages eviction could take back: those in subtrees that no sequence uses (``refs``: a
+        page's reference count, the cache's included)."""
+        nodes = list(self._nodes())  # parents before their children
+        free: dict[int, bool] = {}
+        for node in reversed(nodes):
+            free[id(node)] = refs(node.page) == 1 and all(
+                free[id(c)] for c in node.children.values()
+            )
+        return sum(free.values())
+
+    def evict(self, count: int, refs: Callable[[int], int]) -> list[int]:
+        """Drop up to ``count`` pages that only the cache holds, least recently used leaves
+        first (a parent becomes a leaf once its children are gone); returns them for the caller
+        to release."""
+        dropped: list[int] = []
+        while len(dropped) < count:
+            leaves = [n for n in self._nodes() if not n.children and refs(n.page) == 1]
+            if not leaves:
+                break
+            leaves.sort(key=lambda n: n.last_used)
+            for leaf in leaves[: count - len(dropped)]:
+                del leaf.parent.children[leaf.tokens]
+                dropped.append(leaf.page)
+        self.num_pages -= len(dropped)
+        return dropped
+
+    def _nodes(self) -> Iterator[_Node]:
+        """Every node, each after its parent."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _chunks(self, tokens: Sequence[int]) -> Iterator[tuple[int, ...]]:
+        size = self.page_size
+        for start in range(0, len(tokens) - size + 1, size):
+            yield tuple(tokens[start : start + size])
