@@ -160,6 +160,10 @@ class Engine:
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.proposer, self.speculative = proposer, speculative
         self.max_k = speculative.max_speculative_tokens if speculative else 0
+        if config.max_num_batched_tokens < 1:
+            raise UserError(
+                f"max_num_batched_tokens must be at least 1, got {config.max_num_batched_tokens}"
+            )
         if config.max_batch_size * (self.max_k + 1) > config.prefill_chunk_size:
             raise UserError(
                 f"a verify pass of max_batch_size {config.max_batch_size} x "
@@ -245,9 +249,11 @@ class Engine:
         need = params.n * (pages(total + most_drafts + 1, self.kv.page_size) + SEQUENCE_PAGE_SLACK)
         if need > self.capacity_pages or params.n > self.config.max_batch_size:
             raise UserError(
-                f"request needs {need} KV pages for {params.n} x {total} tokens, but the cache "
-                f"has {self.capacity_pages} and {self.config.max_batch_size} sequence slots; "
-                "raise max_total_len / max_batch_size"
+                f"request needs {need} KV pages for {params.n} x {total} tokens (prompt "
+                f"{len(ids)} + max_tokens {params.max_tokens}), but the cache has "
+                f"{self.capacity_pages} pages ({self.capacity_pages * self.kv.page_size} tokens) "
+                f"and {self.config.max_batch_size} sequence slots; raise max_total_len / "
+                "max_batch_size"
             )
         request = Request(request_id, prompt, ids, params, arrival)
         request.sequences = [
@@ -338,12 +344,14 @@ class Engine:
     def _schedule(self) -> list[Work]:
         """Admit what fits (after the requests admitted ahead enter the cache), then the step's
         passes: the next prefill chunk, and a decode step unless that chunk completes a prompt
-        (its first tokens are reported first)."""
+        (its first tokens are reported first). While sequences decode, the chunk takes what
+        ``max_num_batched_tokens`` leaves them, so a long prompt holds up no stream for more
+        than a small chunk's time."""
         with self.timers("schedule"):
             admitted, self._admitted = self._admitted, []
             self._enter(r for r in admitted if r.status == Status.RUNNING)  # not aborted since
             self._enter(self.scheduler.admit(self.kv.available_pages() - self._prefill_reserve()))
-            prefill, plan = self._plan_prefill(), None
+            prefill, plan = self._plan_prefill(self._chunk_budget()), None
             if prefill is None or not any(prefill.completes):
                 plan = self._plan()
                 if prefill is not None:  # the decode step may have preempted a prompt's request
@@ -427,14 +435,25 @@ class Engine:
             for s in self._prefilling()
         )
 
-    def _plan_prefill(self) -> PrefillWork | None:
-        """The next prefill pass: as many pending prompt (or history) tokens as one pass
-        takes, first come first served."""
+    def _chunk_budget(self) -> int:
+        """Prompt tokens this step's prefill pass may take: a whole pass's worth with nothing
+        decoding, else the step's token budget less a token per decoding sequence (their drafts
+        are chosen later; the budget bounds the prefill, not the verify pass), at least a page
+        so prompts always advance."""
+        decoding = sum(1 for r in self.scheduler.running for s in r.unfinished if s.prefilled)
+        if not decoding:
+            return self.config.prefill_chunk_size
+        budget = self.config.max_num_batched_tokens - decoding
+        return min(self.config.prefill_chunk_size, max(self.kv.page_size, budget))
+
+    def _plan_prefill(self, budget: int) -> PrefillWork | None:
+        """The next prefill pass: up to ``budget`` pending prompt (or history) tokens, first
+        come first served."""
         seqs = self._prefilling()
         if not seqs:
             return None
         feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]
-        rows, chunks = next(chunk_rounds(feeds, self.config.prefill_chunk_size))
+        rows, chunks = next(chunk_rounds(feeds, budget))
         chunked = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
         fresh = [(s, t) for s, t in chunked if not s.num_output]
         return PrefillWork(

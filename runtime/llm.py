@@ -28,6 +28,7 @@ class LLM:
         max_batch_size: int = 8,
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
+        max_num_batched_tokens: int = 256,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
     ):
@@ -38,6 +39,7 @@ class LLM:
             max_batch_size,
             max_total_len,
             prefill_chunk_size,
+            max_num_batched_tokens=max_num_batched_tokens,
             async_scheduling=async_scheduling,
             enable_prefix_caching=enable_prefix_caching,
         )

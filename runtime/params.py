@@ -131,6 +131,10 @@ class EngineConfig:
     max_batch_size: int = 8  # sequences decoded together
     max_total_len: int = 8192  # tokens the KV cache holds, all sequences together
     prefill_chunk_size: int = 512  # tokens per prefill forward pass
+    # Tokens one step may take while sequences decode (vLLM's max_num_batched_tokens): a token
+    # per decoding sequence, the rest for the next chunk of a waiting prompt (at least a page).
+    # Without decoding sequences a prompt's chunk is prefill_chunk_size.
+    max_num_batched_tokens: int = 256
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).
     enable_prefix_caching: bool = True

@@ -107,6 +107,18 @@ HEADLINE = (
         "(and `--pair qwen`)",
     ),
     Group(
+        "Prefix caching in the server: ShareGPT conversations turn by turn",
+        rf"bench_prefix_cache{_CPU}",
+        1,
+        "`python scripts/bench_prefix_cache.py --write docs/benchmarks.md`",
+    ),
+    Group(
+        "A long prompt while streams decode: prefill chunks within a token budget",
+        rf"bench_long_prompt{_CPU}",
+        1,
+        "`python scripts/bench_long_prompt.py --write docs/benchmarks.md`",
+    ),
+    Group(
         "Qwen2.5-Coder-1.5B with the 0.5B draft: speculative decoding end to end on HumanEval",
         rf"bench_speculative-qwen-.+{_CPU}",
         3,
@@ -368,8 +380,8 @@ def write_section(path: Path, name: str, section: str) -> None:
     if main_page and _group_of(name, HEADLINE + OTHER) is None:
         scratch = SCRATCH / f"{name}.md"
         print(
-            f"benchdoc: {name} is no section of {path} (kernel experiments go to its 'what was "
-            f"tried' list); written to {scratch}",
+            f"benchdoc: {name} is no section of {path} (a kernel experiment's outcome goes to "
+            f"the 'tried and left out' list of docs/kernels.md); written to {scratch}",
             file=sys.stderr,
         )
         path = scratch

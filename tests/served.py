@@ -6,7 +6,7 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlc_spec import LLM
 from mlc_spec.serve.app import ServerConfig, build_app
+from mlc_spec.serve.launch import start_server
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -52,14 +53,7 @@ class Served:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
 
     def metrics(self) -> dict[str, float]:
-        """Samples by name and labels (the model_name label left out)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if k != "model_name")
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
+        return metrics(self.url)
 
     def wait_idle(self) -> dict[str, float]:
         """Metrics once no request runs or waits (the engine thread updates them each loop)."""
@@ -80,28 +74,27 @@ def serving(llm: LLM, send_buffer: int | None = None, **config) -> Iterator[Serv
         served.close()
 
 
+def metrics(url: str) -> dict[str, float]:
+    """A server's /metrics samples by name and labels (the model_name label left out)."""
+    text = httpx.get(f"{url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in s.labels.items() if k != "model_name")
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
 class ServeProcess:
     """``mlc-spec serve`` as users run it: its own process, its signal handling, its exit code."""
 
     def __init__(self, artifact, *args: str, env: dict[str, str] | None = None):
-        command = [sys.executable, "-m", "mlc_spec.cli", "serve", "--model", str(artifact)]
-        self.process = subprocess.Popen(
-            [*command, "--port", "0", "--served-model-name", "tiny", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={"TVM_NUM_THREADS": "2", **os.environ, **(env or {})},
-        )
-        line = self.process.stdout.readline()
-        if "serving" not in line:
-            self.process.kill()
-            raise AssertionError(f"the server did not start: {line}{self.process.stderr.read()}")
-        self.url = line.split(" on ")[1].strip().removesuffix("/v1")
-        while True:  # uvicorn listens a moment after the socket is announced
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    break
-            time.sleep(0.05)
+        serve_args = ["--model", str(artifact), "--served-model-name", "tiny", *args]
+        env = {"TVM_NUM_THREADS": "2", **os.environ, **(env or {})}
+        # Its log goes to a file: a pipe nobody reads until the end would fill and block it.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
+        self.process, base, self.announced = start_server(serve_args, env, stderr=self.log)
+        self.url = base.removesuffix("/v1")
 
     def __enter__(self) -> ServeProcess:
         return self
@@ -110,13 +103,20 @@ class ServeProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.communicate()
+        self.log.close()
+
+    def logged(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def finish(self, timeout: float) -> tuple[int, str]:
         """The exit code and what the server logged, once it exits (killed past ``timeout``)."""
         try:
-            _, err = self.process.communicate(timeout=timeout)
+            self.process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            _, err = self.process.communicate()
-            raise AssertionError(f"the server still ran {timeout} s later:\n{err}") from None
-        return self.process.returncode, err
+            self.process.communicate()
+            raise AssertionError(
+                f"the server still ran {timeout} s later:\n{self.logged()}"
+            ) from None
+        return self.process.returncode, self.logged()

@@ -21,15 +21,16 @@ from mlc_spec.serve.bench import (
     add_arguments,
     humaneval_jobs,
     launched_llama_server,
-    launched_server,
     llama_server_binary,
     llama_server_command,
     mixed_jobs,
     run_level,
     send,
+    sharegpt_chat_jobs,
     sharegpt_jobs,
     summarize,
 )
+from mlc_spec.serve.launch import launched_server
 
 
 def test_prompt_sources():
@@ -37,6 +38,8 @@ def test_prompt_sources():
     jobs = sharegpt_jobs(5)
     assert len(jobs) == 5 and all(j.endpoint == "chat/completions" for j in jobs)
     assert all(j.payload["messages"][0]["content"] for j in jobs)
+    chats = sharegpt_chat_jobs(5, max_turns=3)
+    assert len(chats) == 5 and all(2 <= len(j.turns) <= 3 and all(j.turns) for j in chats)
 
 
 def test_bench_serve_refuses_unknown_settings(capsys):
@@ -77,6 +80,24 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| x off |" in table and "| off | 1 | 6/6 |" in table
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_conversations_turn_by_turn_with_and_without_the_prefix_cache(tiny_llama, tmp_path):
+    """``--dataset sharegpt-chat``: each turn goes out with the history and the server's
+    answers, so later turns find the earlier ones' pages in the prefix cache; the same server
+    without its cache (``--prefix-caching both``) finds none."""
+    argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--speculative", "none"]
+    argv += ["--dataset", "sharegpt-chat", "--max-turns", "3", "--concurrency", "2"]
+    argv += ["--min-requests", "2", "--rounds", "1", "--max-tokens", "8"]
+    argv += ["--prefix-caching", "both", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    settings = json.loads((tmp_path / "results.json").read_text())["settings"]
+    (cached,), (uncached,) = settings["off"], settings["off, no prefix cache"]
+    for row in (cached, uncached):
+        # A request per turn: two conversations of two or three turns.
+        assert row["completed"] == row["requests"] >= 4 and row["p50_ttft_later_turns"] > 0
+    assert cached["prefix_cache_hit_rate"] > 0.3 and uncached["prefix_cache_hit_rate"] == 0
+    assert "| off, no prefix cache | 2 |" in (tmp_path / "results.md").read_text()
 
 
 def test_bench_serve_loads_a_running_server(tiny_llama, tmp_path):

@@ -131,6 +131,45 @@ def test_chunked_prefill_matches_one_pass(tiny_llama):
     assert _ids(chunked.generate([prompt, PROMPTS[0]], params)) == whole
 
 
+def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(tiny_llama):
+    """Two streams decode while a 200-token prompt arrives: with a budget of 24 tokens a step,
+    its chunks take 22 (24 less a token per stream) and every step still decodes the streams;
+    outputs equal those of whole-prompt passes. Alone, a prompt takes whole passes."""
+    long_prompt = list(np.random.default_rng(4).integers(3, VOCAB, 200))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], long_prompt]
+    expected = _ids(LLM(tiny_llama.artifact).generate(prompts, params))
+    llm = LLM(tiny_llama.artifact, max_num_batched_tokens=24, prefill_chunk_size=64)
+    passes, prefill = [], llm.model.prefill
+
+    def counted(kv, seq_ids, tokens):
+        passes.append(sum(map(len, tokens)))
+        return prefill(kv, seq_ids, tokens)
+
+    llm.model.prefill = counted
+    engine = llm.engine
+    streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
+    while not all(s.prefilled for r in streams for s in r.sequences):
+        engine.step()
+    decoded = [s.num_output for r in streams for s in r.sequences]
+    passes.clear()
+    late = engine.add_request(long_prompt, params)
+    steps = 0
+    while late.sequences[0].num_output == 0:
+        engine.step()
+        steps += 1
+    assert passes == [22] * 9 + [2]  # 200 tokens: 9 chunks of 22, then the last 2
+    # The streams advanced in every step but the last, whose chunk completed the prompt.
+    assert [s.num_output for r in streams for s in r.sequences] == [d + steps - 1 for d in decoded]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.tokens[s.num_prompt :] for r in (*streams, late) for s in r.sequences] == expected
+    passes.clear()
+    llm.generate([list(np.random.default_rng(5).integers(3, VOCAB, 200))], params)
+    assert passes == [64, 64, 64, 8]  # nothing decoding: whole passes
+    _no_leak(llm)
+
+
 def test_stream_increments_add_up(tiny_llama):
     llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": 3})
     params = SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
@@ -161,6 +200,11 @@ def test_bad_input_is_rejected_without_leaks(tiny_llama, tiny_qwen2, tmp_path):
         llm.generate([[1, VOCAB]])
     with pytest.raises(UserError, match="context length"):
         llm.generate([[5] * 1000], SamplingParams(max_tokens=100))
+    small = LLM(tiny_llama.artifact, max_total_len=128)  # 8 pages of 16 tokens
+    with pytest.raises(UserError, match=r"prompt 200 \+ max_tokens 4\).*\(128 tokens\)"):
+        small.generate([[5] * 200], SamplingParams(max_tokens=4))
+    with pytest.raises(UserError, match="max_num_batched_tokens must be at least 1"):
+        LLM(tiny_llama.artifact, max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     # A valid prompt queued before a bad one must not stay behind in the engine.

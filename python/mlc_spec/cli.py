@@ -73,6 +73,25 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from mlc_spec.errors import UserError
+
+    if args.replicas < 1:
+        raise UserError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas > 1:
+        from mlc_spec.serve.replicas import serve_replicas
+
+        # Each replica runs this very command (the last --replicas given wins: 1).
+        own = [*args.argv[args.argv.index("serve") + 1 :], "--replicas", "1"]
+        serve_replicas(
+            own,
+            args.replicas,
+            args.host,
+            args.port,
+            args.router_policy,
+            args.threads_per_replica,
+            lambda line: print(line, flush=True),
+        )
+        return
     from mlc_spec import LLM
     from mlc_spec.serve.app import ServerConfig, limit_malloc_arenas, serve
 
@@ -86,6 +105,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_total_len=args.max_total_len,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     name = args.served_model_name or Path(model).name
     config = ServerConfig(
@@ -281,6 +301,31 @@ def build_parser() -> argparse.ArgumentParser:
         "streamed (default: on)",
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="tokens a step takes while requests decode: one per decoding request, the rest "
+        "for the next chunk of a waiting prompt, so a long prompt stalls no stream for long "
+        "(default 256)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run this many servers behind sglang-router on --host/--port, each with the "
+        "cores / N threads (default 1: one server, no router)",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        help="how the router picks a replica (default cache_aware: the one holding the "
+        "request's longest prefix, so its prefix cache hits)",
+    )
+    p.add_argument(
+        "--threads-per-replica", type=int, help="TVM threads of each replica (default cores / N)"
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -304,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     from mlc_spec.errors import UserError
 
     try:

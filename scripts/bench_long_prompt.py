@@ -1,0 +1,133 @@
+"""Streams keep flowing while a long prompt is prefilled: 8 greedy streams decode, a 2,000-token
+prompt arrives, and the gaps between the streams' tokens are timed until its first token. Each
+``--max-num-batched-tokens`` setting is its own ``mlc-spec serve`` (no speculation, so a gap is
+one step), and every server also runs the 8 streams alone for the baseline. Written to
+docs/benchmarks.md with the goal's verdict: the gaps' p99 during the prefill at most 2x their
+median without the long prompt.
+
+    python scripts/bench_long_prompt.py [--budgets 512 64] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from benchdoc import cpu_class, machine_context, start_load, verdict, write_section
+
+from mlc_spec.compiler.cache import compiled
+from mlc_spec.serve.launch import launched_server
+
+STREAMS = 8
+STREAM_TOKENS = 160
+LONG_PROMPT = 2000
+
+
+async def stream(client: httpx.AsyncClient, base: str, prompt: list[int], tokens: int) -> list:
+    """One greedy streamed completion; the arrival time of each chunk with text, and last the
+    stream's end."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+    times = []
+    async with client.stream("POST", f"{base}/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and any(
+                c.get("text") for c in json.loads(line[6:]).get("choices", [])
+            ):
+                times.append(time.perf_counter())
+    return [*times, time.perf_counter()]
+
+
+async def load(base: str, with_long_prompt: bool) -> tuple[list[float], float | None]:
+    """The streams' gaps between tokens (all of them, or with the long prompt those while it
+    waits for its first token), and the long prompt's time to first token."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 30000, 64).tolist() for _ in range(STREAMS)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream(client, base, p, STREAM_TOKENS)) for p in prompts]
+        await asyncio.sleep(1.5)  # every stream decoding
+        window = None
+        if with_long_prompt:
+            long_prompt = rng.integers(100, 30000, LONG_PROMPT).tolist()
+            sent = time.perf_counter()
+            first = (await stream(client, base, long_prompt, 1))[-1]  # one token: its end
+            window = (sent, first)
+        times = await asyncio.gather(*tasks)
+    gaps = []
+    for t in times:
+        t = t[:-1]
+        for a, b in zip(t, t[1:], strict=False):
+            if window is None or window[0] <= b <= window[1]:
+                gaps.append(b - a)
+    return gaps, None if window is None else window[1] - window[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 64])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write", type=Path, help="replace this benchmark's section")
+    args = parser.parse_args()
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    model = compiled("smollm2-135m-instruct", activations="int8")
+    start = start_load()
+    gaps = {b: ([], []) for b in args.budgets}  # budget -> (alone, during the prefill)
+    ttft = {b: [] for b in args.budgets}
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for budget in args.budgets:
+            serve_args = ["--model", str(model), "--speculative", "none"]
+            serve_args += ["--served-model-name", "bench", "--no-enable-prefix-caching"]
+            serve_args += ["--max-num-batched-tokens", str(budget)]
+            bases[budget] = stack.enter_context(launched_server(serve_args))
+        for _ in range(args.repeats):  # the servers in turn, round by round
+            for budget, base in bases.items():
+                alone, _ = asyncio.run(load(base, with_long_prompt=False))
+                during, first = asyncio.run(load(base, with_long_prompt=True))
+                gaps[budget][0].extend(alone)
+                gaps[budget][1].extend(during)
+                ttft[budget].append(first)
+    lines = [
+        f"### SmolLM2-135M-Instruct, int8 activations, `{cpu_class()}`",
+        "",
+        *machine_context(start, "mlc-spec serve", "2 everywhere"),
+        f"- Load: {STREAMS} greedy streams of {STREAM_TOKENS} tokens (64-token prompts), then "
+        f"a {LONG_PROMPT}-token prompt 1.5 s in; no speculation, no prefix cache, batch 8; "
+        f"{args.repeats} rounds, the servers in turn",
+        "",
+        "| --max-num-batched-tokens | gap between tokens alone, p50 ms | during the prefill, "
+        "p50 / p99 ms | p99 / alone p50 | long prompt's TTFT p50 ms |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    ratios = []
+    for budget in args.budgets:
+        alone, during = (np.array(g) * 1000 for g in gaps[budget])
+        ratio = np.percentile(during, 99) / np.median(alone)
+        ratios.append((budget, ratio))
+        first = 1000 * np.median(ttft[budget])
+        lines.append(
+            f"| {budget} | {np.median(alone):.1f} | {np.median(during):.1f} / "
+            f"{np.percentile(during, 99):.1f} | {ratio:.2f}x | {first:.0f} |"
+        )
+    default = ratios[-1]
+    lines += [
+        "",
+        f"- Gaps p99 during the prefill <= 2x their median alone (`--max-num-batched-tokens "
+        f"{default[0]}`): {verdict(default[1] <= 2.0, start)} ({default[1]:.2f}x)",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section(args.write, f"bench_long_prompt-{cpu_class()}", text)
+
+
+if __name__ == "__main__":
+    main()
