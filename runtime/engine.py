@@ -102,6 +102,9 @@ class StepPlan:
     acceptance: list[float]  # the estimates the policy chose with (empty without a proposer)
     predicted_seconds: float | None
     expected_tokens: float  # what the policy expects the step to emit, by those estimates
+    # A prompt chunk computed in this step's decode pass (a plain step only): one forward
+    # reads the weights once for both.
+    chunk: PrefillWork | None = None
 
 
 @dataclasses.dataclass
@@ -346,7 +349,7 @@ class Engine:
         passes: the next prefill chunk, and a decode step unless that chunk completes a prompt
         (its first tokens are reported first). While sequences decode, the chunk takes what
         ``max_num_batched_tokens`` leaves them, so a long prompt holds up no stream for more
-        than a small chunk's time."""
+        than a small chunk's time, and a plain decode step computes it in its own pass."""
         with self.timers("schedule"):
             admitted, self._admitted = self._admitted, []
             self._enter(r for r in admitted if r.status == Status.RUNNING)  # not aborted since
@@ -356,7 +359,11 @@ class Engine:
                 plan = self._plan()
                 if prefill is not None:  # the decode step may have preempted a prompt's request
                     prefill = prefill.in_cache()
-            return [w for w in (prefill, plan) if w is not None and w.seqs]
+            works = [w for w in (prefill, plan) if w is not None and w.seqs]
+            if len(works) == 2 and not prefill.restored and not any(plan.num_draft):
+                plan.chunk = prefill  # a plain step: the chunk rides in its pass
+                return [plan]
+            return works
 
     def _execute_all(self, works: list[Work]) -> list[PrefillResult | StepResult]:
         """The passes of one step (on the worker thread with ``async_scheduling``)."""
@@ -396,6 +403,10 @@ class Engine:
                 new = [len(t) for _, t in work.restored + work.fresh]
             else:
                 new = [k + 1 for k in work.num_draft]
+                if work.chunk is not None:
+                    most += self.scheduler.step_pages(
+                        work.chunk.seqs, [len(t) for _, t in work.chunk.fresh]
+                    )
             most += self.scheduler.step_pages(work.seqs, new)
         return most
 
@@ -589,7 +600,7 @@ class Engine:
             accepted, emitted, logits = self._verify(seqs, drafts, num_draft, draft_probs)
         else:
             accepted = np.zeros(len(seqs), np.int64)
-            emitted, logits = self._decode(seqs)
+            emitted, logits = self._decode(seqs, plan.chunk)
         per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
         starts = np.cumsum(num_draft + 1) - (num_draft + 1)  # each sequence's first logits row
         return StepResult(
@@ -603,13 +614,24 @@ class Engine:
             ended - drafted,
         )
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, tvm.runtime.Tensor]:
+    def _decode(
+        self, seqs: list[Sequence], chunk: PrefillWork | None
+    ) -> tuple[np.ndarray, tvm.runtime.Tensor]:
         """The plain step: one token per sequence, no draft forward, no verification;
-        ``(tokens, logits)``."""
+        ``(tokens, logits)``. A prompt ``chunk`` is computed in the same pass, as a prefill
+        of every sequence (a row is the same in either function, docs/exactness.md)."""
         with self.timers("decode"):
-            logits = self.target.decode(
-                self.kv, [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
-            )
+            ids, pending = [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
+            if chunk is None:
+                logits = self.target.decode(self.kv, ids, pending)
+            else:
+                logits = self.target.prefill(
+                    self.kv,
+                    ids + [s.seq_id for s, _ in chunk.fresh],
+                    [[t] for t in pending] + [t for _, t in chunk.fresh],
+                )
+                logits = take(logits, range(len(seqs)))  # the chunk's last row is not wanted
+                release_pooled_buffers()
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
             tokens = self.target.sampler.sample_logits(logits, [s.params for s in seqs], uniforms)
@@ -638,6 +660,8 @@ class Engine:
         """Apply a step's outcome to the sequences it advanced. A sequence stopped by a string
         after this step was launched is skipped: its tokens are discarded and the pages they
         took go with it (``_commit_all`` frees it next)."""
+        if plan.chunk is not None:
+            self._commit_prefill(plan.chunk, PrefillResult([]))
         live = [i for i, s in enumerate(plan.seqs) if not s.finished]
         seqs = [plan.seqs[i] for i in live]
         num_draft, accepted = result.num_draft[live], result.accepted[live]
@@ -662,7 +686,7 @@ class Engine:
             self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
             for i, seq in zip(live, seqs, strict=True)
         ]
-        if self.proposer is not None:
+        if self.proposer is not None and plan.chunk is None:  # the policy did not price chunks
             # Overlapped, the host's work is off the step's time; in series it is on it.
             end = time.perf_counter() if self._worker is None else result.ended
             self._record_costs(plan, result, end - result.started)

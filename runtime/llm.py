@@ -28,7 +28,7 @@ class LLM:
         max_batch_size: int = 8,
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
-        max_num_batched_tokens: int = 256,
+        max_num_batched_tokens: int = 64,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
     ):

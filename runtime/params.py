@@ -133,8 +133,11 @@ class EngineConfig:
     prefill_chunk_size: int = 512  # tokens per prefill forward pass
     # Tokens one step may take while sequences decode (vLLM's max_num_batched_tokens): a token
     # per decoding sequence, the rest for the next chunk of a waiting prompt (at least a page).
-    # Without decoding sequences a prompt's chunk is prefill_chunk_size.
-    max_num_batched_tokens: int = 256
+    # Without decoding sequences a prompt's chunk is prefill_chunk_size. On 2 cores a prompt
+    # token costs SmolLM2 ~1 ms at 2,000 tokens of context: with 64, 8 streams' p99 gap is ~8x
+    # a step while a 2,000-token prompt is prefilled (512: ~45x; 16: ~2.6x, the prompt's first
+    # token ~1.6x later than with 512; docs/benchmarks.md).
+    max_num_batched_tokens: int = 64
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).
     enable_prefix_caching: bool = True

@@ -5,7 +5,7 @@ one step), and every server also runs the 8 streams alone for the baseline. Writ
 docs/benchmarks.md with the goal's verdict: the gaps' p99 during the prefill at most 2x their
 median without the long prompt.
 
-    python scripts/bench_long_prompt.py [--budgets 512 64] [--write docs/benchmarks.md]
+    python scripts/bench_long_prompt.py [--budgets 512 256 64] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import numpy as np
 from benchdoc import cpu_class, machine_context, start_load, verdict, write_section
 
 from mlc_spec.compiler.cache import compiled
+from mlc_spec.runtime.params import EngineConfig
 from mlc_spec.serve.launch import launched_server
 
+DEFAULT_BUDGET = EngineConfig.max_num_batched_tokens
 STREAMS = 8
 STREAM_TOKENS = 160
 LONG_PROMPT = 2000
@@ -72,7 +74,7 @@ async def load(base: str, with_long_prompt: bool) -> tuple[list[float], float | 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, DEFAULT_BUDGET, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", type=Path, help="replace this benchmark's section")
     args = parser.parse_args()
@@ -87,6 +89,8 @@ def main() -> None:
             serve_args = ["--model", str(model), "--speculative", "none"]
             serve_args += ["--served-model-name", "bench", "--no-enable-prefix-caching"]
             serve_args += ["--max-num-batched-tokens", str(budget)]
+            # A slot for the long prompt beside the streams: it is prefilled as it arrives.
+            serve_args += ["--max-batch-size", str(STREAMS + 1)]
             bases[budget] = stack.enter_context(launched_server(serve_args))
         for _ in range(args.repeats):  # the servers in turn, round by round
             for budget, base in bases.items():
@@ -100,7 +104,8 @@ def main() -> None:
         "",
         *machine_context(start, "mlc-spec serve", "2 everywhere"),
         f"- Load: {STREAMS} greedy streams of {STREAM_TOKENS} tokens (64-token prompts), then "
-        f"a {LONG_PROMPT}-token prompt 1.5 s in; no speculation, no prefix cache, batch 8; "
+        f"a {LONG_PROMPT}-token prompt 1.5 s in; no speculation, no prefix cache, batch "
+        f"{STREAMS + 1}; "
         f"{args.repeats} rounds, the servers in turn",
         "",
         "| --max-num-batched-tokens | gap between tokens alone, p50 ms | during the prefill, "
@@ -117,11 +122,14 @@ def main() -> None:
             f"| {budget} | {np.median(alone):.1f} | {np.median(during):.1f} / "
             f"{np.percentile(during, 99):.1f} | {ratio:.2f}x | {first:.0f} |"
         )
-    default = ratios[-1]
+    listed = ", ".join(f"{b}: {r:.2f}x" for b, r in ratios)
+    default = dict(ratios).get(DEFAULT_BUDGET)
     lines += [
         "",
-        f"- Gaps p99 during the prefill <= 2x their median alone (`--max-num-batched-tokens "
-        f"{default[0]}`): {verdict(default[1] <= 2.0, start)} ({default[1]:.2f}x)",
+        f"- Gaps p99 during the prefill <= 2x their median alone, at the default budget of "
+        f"{DEFAULT_BUDGET}: "
+        + ("not run" if default is None else verdict(default <= 2.0, start))
+        + f" ({listed})",
     ]
     text = "\n".join(lines)
     print(text)

@@ -133,12 +133,13 @@ def test_chunked_prefill_matches_one_pass(tiny_llama):
 
 def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(tiny_llama):
     """Two streams decode while a 200-token prompt arrives: with a budget of 24 tokens a step,
-    its chunks take 22 (24 less a token per stream) and every step still decodes the streams;
-    outputs equal those of whole-prompt passes. Alone, a prompt takes whole passes."""
+    its chunks take 22 (24 less a token per stream), each in one pass with the streams' tokens,
+    and every step still decodes the streams; outputs equal those of whole-prompt passes.
+    Alone, a prompt takes whole passes."""
     long_prompt = list(np.random.default_rng(4).integers(3, VOCAB, 200))
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [PROMPTS[0], PROMPTS[1], long_prompt]
-    expected = _ids(LLM(tiny_llama.artifact).generate(prompts, params))
+    expected = LLM(tiny_llama.artifact).generate(prompts, params)
     llm = LLM(tiny_llama.artifact, max_num_batched_tokens=24, prefill_chunk_size=64)
     passes, prefill = [], llm.model.prefill
 
@@ -158,12 +159,18 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
     while late.sequences[0].num_output == 0:
         engine.step()
         steps += 1
-    assert passes == [22] * 9 + [2]  # 200 tokens: 9 chunks of 22, then the last 2
+    # 200 tokens: 9 chunks of 22 beside the streams' 2 tokens; the last 2 (completing the
+    # prompt, so its first token comes before the streams' next) in a pass of their own.
+    assert passes == [24] * 9 + [2]
     # The streams advanced in every step but the last, whose chunk completed the prompt.
     assert [s.num_output for r in streams for s in r.sequences] == [d + steps - 1 for d in decoded]
     while engine.has_unfinished():
         engine.step()
-    assert [s.tokens[s.num_prompt :] for r in (*streams, late) for s in r.sequences] == expected
+    for request, whole in zip((*streams, late), expected, strict=True):
+        got, want = request.output(delta=False).outputs[0], whole.outputs[0]
+        assert got.token_ids == want.token_ids
+        logprobs = [[t.logprob for t in out.logprobs] for out in (got, want)]
+        assert np.array_equal(*logprobs)  # the rows computed beside a chunk are the same bits
     passes.clear()
     llm.generate([list(np.random.default_rng(5).integers(3, VOCAB, 200))], params)
     assert passes == [64, 64, 64, 8]  # nothing decoding: whole passes
