@@ -179,3 +179,30 @@ def test_generate_command_takes_a_per_request_k(tiny_llama, capsys):
     with pytest.raises(SystemExit):
         main([*args, "-k", "lots"])
     assert "expected 'auto' or a number" in capsys.readouterr().err
+
+
+def test_automatic_k_drafts_nothing_while_a_prompt_chunk_rides_in_the_step(tiny_llama):
+    """A 150-token prompt arrives while two streams decode, with a step budget that chunks it:
+    its chunks ride in plain passes, so the automatic-k stream drafts nothing in those steps,
+    while the stream that set k = 3 keeps drafting (its chunk then gets a pass of its own)."""
+    llm = LLM(
+        tiny_llama.artifact,
+        speculative={"method": "ngram", "num_speculative_tokens": "auto"},
+        max_num_batched_tokens=20,
+    )
+    engine = llm.engine
+    repeat = [200, 201, 202, 203] * 6  # prompt lookup finds drafts all along
+    auto = engine.add_request(repeat, SamplingParams(max_tokens=120, temperature=0))
+    pinned = engine.add_request(
+        repeat, SamplingParams(max_tokens=120, temperature=0, num_speculative_tokens=3)
+    )
+    while not all(r.sequences[0].prefilled for r in (auto, pinned)):
+        engine.step()
+    before = [r.sequences[0].stats.num_drafts for r in (auto, pinned)]
+    late = engine.add_request(list(np.random.default_rng(2).integers(3, VOCAB, 150)), GREEDY)
+    while late.sequences[0].num_output == 0:
+        engine.step()
+    after = [r.sequences[0].stats.num_drafts for r in (auto, pinned)]
+    assert after[0] == before[0] and after[1] > before[1]
+    while engine.has_unfinished():
+        engine.step()
