@@ -322,7 +322,8 @@ def test_acceptance_recovers_when_the_text_changes_character():
 def test_verify_passes_are_priced_by_rows_and_tokens():
     """A pass of 16 tokens over 8 sequences costs one sequence's 16 tokens plus what 8
     sequences cost beyond one sequence's 8: dearer than over 2 sequences. A shape that steps
-    run keeps a running mean of its own, starting from that prediction."""
+    run keeps a running mean of its own, starting from that prediction; how far its first
+    measurement was off scales the shapes not run yet."""
     step = StepCosts(
         CostTable({1: 0.030, 2: 0.032, 8: 0.060}),
         CostTable({1: 0.030, 2: 0.031, 8: 0.040, 16: 0.050}),
@@ -333,7 +334,11 @@ def test_verify_passes_are_priced_by_rows_and_tokens():
     assert step.target(8, 8) == 0.060  # a plain decode
     step.observe_target(8, 16, 0.090)
     assert step.target(8, 16) == pytest.approx(0.070 + 0.2 * (0.090 - 0.070))
-    assert step.target(2, 16) == pytest.approx(0.051)  # other shapes keep their prediction
+    # 0.090 measured against 0.070 estimated: shapes not run yet are priced 1/5 of the way
+    # to 0.090 / 0.070 dearer.
+    assert step.target(2, 16) == pytest.approx(0.051 * (1 + 0.2 * (0.090 / 0.070 - 1)))
+    step.observe_target(8, 16, 0.070)  # a shape run before moves only its own mean
+    assert step.estimate_bias.value == pytest.approx(1 + 0.2 * (0.090 / 0.070 - 1))
     step.observe_target(8, 8, 0.050)
     assert 0.050 < step.decode.predict(8) < 0.060
     # A pinned k measures verify passes without load-time tables: nothing to predict from.
