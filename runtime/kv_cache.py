@@ -179,11 +179,8 @@ class PagePool:
 
     def available_pages(self) -> int:
         """Free pages, and cached ones that no sequence uses (taken back when needed)."""
-        cached = 0 if self.prefix is None else self.prefix.evictable(self._ref)
+        cached = 0 if self.prefix is None else self.prefix.evictable(self._refs)
         return len(self._free) + cached
-
-    def _ref(self, page: int) -> int:
-        return int(self._refs[page])
 
     @contextmanager
     def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple]:
@@ -222,7 +219,7 @@ class PagePool:
 
     def _take(self) -> int:
         if not self._free and self.prefix is not None:
-            self._release(self.prefix.evict(1, self._ref))
+            self._release(self.prefix.evict(1, self._refs))
         if not self._free:
             raise KVCacheFull("the KV cache has no free page left")
         page = self._free.pop()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 
 @dataclasses.dataclass(eq=False)
@@ -34,7 +36,11 @@ class PrefixCache:
         self.page_size = page_size
         self._root = _Node(-1, None, ())
         self._clock = itertools.count(1)
-        self.num_pages = 0
+        self._by_page: dict[int, _Node] = {}
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._by_page)
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """The pages of the longest cached chain that ``tokens`` start with, whole pages only;
@@ -56,38 +62,42 @@ class PrefixCache:
         for chunk, page in zip(self._chunks(tokens), pages, strict=False):
             child = node.children.get(chunk)
             if child is None:
-                child = node.children[chunk] = _Node(page, node, chunk)
+                child = node.children[chunk] = self._by_page[page] = _Node(page, node, chunk)
                 added.append(page)
             child.last_used = now
             node = child
-        self.num_pages += len(added)
         return added
 
-    def evictable(self, refs: Callable[[int], int]) -> int:
-        """Pages eviction could take back: those in subtrees that no sequence uses (``refs``: a
-        page's reference count, the cache's included)."""
-        nodes = list(self._nodes())  # parents before their children
-        free: dict[int, bool] = {}
-        for node in reversed(nodes):
-            free[id(node)] = refs(node.page) == 1 and all(
-                free[id(c)] for c in node.children.values()
-            )
-        return sum(free.values())
+    def evictable(self, refs: np.ndarray) -> int:
+        """Pages eviction could take back: those in subtrees that no sequence uses (``refs``:
+        each page's reference count, the cache's included). The pool asks before every step,
+        so this walks up from the pages in use only, not over the whole tree: they and their
+        ancestors stay, the rest can go."""
+        if not self._by_page:
+            return 0
+        pages = np.fromiter(self._by_page, np.int64, len(self._by_page))
+        kept: set[int] = set()
+        for page in pages[refs[pages] > 1].tolist():
+            node = self._by_page[page]
+            while node is not self._root and node.page not in kept:
+                kept.add(node.page)
+                node = node.parent
+        return len(pages) - len(kept)
 
-    def evict(self, count: int, refs: Callable[[int], int]) -> list[int]:
+    def evict(self, count: int, refs: np.ndarray) -> list[int]:
         """Drop up to ``count`` pages that only the cache holds, least recently used leaves
         first (a parent becomes a leaf once its children are gone); returns them for the caller
         to release."""
         dropped: list[int] = []
         while len(dropped) < count:
-            leaves = [n for n in self._nodes() if not n.children and refs(n.page) == 1]
+            leaves = [n for n in self._nodes() if not n.children and refs[n.page] == 1]
             if not leaves:
                 break
             leaves.sort(key=lambda n: n.last_used)
             for leaf in leaves[: count - len(dropped)]:
                 del leaf.parent.children[leaf.tokens]
+                del self._by_page[leaf.page]
                 dropped.append(leaf.page)
-        self.num_pages -= len(dropped)
         return dropped
 
     def _nodes(self) -> Iterator[_Node]:

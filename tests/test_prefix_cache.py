@@ -27,17 +27,20 @@ def test_whole_pages_are_matched_along_the_exact_tokens():
 
 def test_eviction_takes_unused_leaves_least_recently_used_first():
     cache = PrefixCache(PAGE)
-    refs = {}
+    refs = np.zeros(8, np.int32)  # reference counts by page
     for pages, first in (([1, 2], 0), ([3, 4], 100), ([5], 200)):
         tokens = list(range(first, first + PAGE * len(pages)))
         for page in cache.store(tokens, pages):
             refs[page] = 1  # the cache's reference only
     refs[5] = 2  # a running sequence uses page 5
+    refs[2] = 2  # and one page 2, which keeps its parent, page 1, too
+    assert cache.evictable(refs) == 2
+    refs[2] = 1
     cache.match(list(range(PAGE * 2)))  # the first chain was just used
-    assert cache.evictable(refs.get) == 4  # pages 1-4; 5 is in use
-    assert cache.evict(1, refs.get) == [4]  # the least recently used leaf
-    assert cache.evict(3, refs.get) == [3, 2, 1]  # a parent goes once it is a leaf
-    assert cache.evict(5, refs.get) == [] and cache.num_pages == 1
+    assert cache.evictable(refs) == 4  # pages 1-4; 5 is in use
+    assert cache.evict(1, refs) == [4]  # the least recently used leaf
+    assert cache.evict(3, refs) == [3, 2, 1]  # a parent goes once it is a leaf
+    assert cache.evict(5, refs) == [] and cache.num_pages == 1
     assert cache.match(list(range(200, 204))) == [5]
 
 
