@@ -446,12 +446,16 @@ class Engine:
             for s in self._prefilling()
         )
 
+    def _decoding(self) -> list[Sequence]:
+        """Running sequences past their prompt: the rows of a decode step."""
+        return [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
+
     def _chunk_budget(self) -> int:
         """Prompt tokens this step's prefill pass may take: a whole pass's worth with nothing
         decoding, else the step's token budget less a token per decoding sequence (their drafts
         are chosen later; the budget bounds the prefill, not the verify pass), at least a page
         so prompts always advance."""
-        decoding = sum(1 for r in self.scheduler.running for s in r.unfinished if s.prefilled)
+        decoding = len(self._decoding())
         if not decoding:
             return self.config.prefill_chunk_size
         budget = self.config.max_num_batched_tokens - decoding
@@ -536,7 +540,7 @@ class Engine:
         policy's step costs do not hold (SmolLM2 int8 served 6-11% slower with drafts chosen
         so); automatic requests draft nothing then, requests that set k keep it."""
         while True:
-            seqs = [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
+            seqs = self._decoding()
             caps = [self._draft_cap(s) for s in seqs]
             need = self.scheduler.step_pages(seqs, [c + 1 for c in caps]) + self._prefill_reserve()
             if need <= self.kv.available_pages() or len(self.scheduler.running) <= 1:

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from served import GREEDY, ServeProcess, metrics
 
 from mlc_spec import LLM, SamplingParams
+from mlc_spec.cli import main
 
 
 class Replicas:
@@ -126,3 +128,9 @@ def _kill_one(replicas: Replicas, tiny_llama) -> None:
         if not isinstance(outcome, Exception):
             assert outcome == _expected(tiny_llama, prompt, 1000)
     assert after == [_expected(tiny_llama, p, 8) for p in prompts]
+
+
+def test_replicas_must_be_at_least_one(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--replicas", "0"])
+    assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err

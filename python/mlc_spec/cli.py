@@ -73,10 +73,6 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from mlc_spec.errors import UserError
-
-    if args.replicas < 1:
-        raise UserError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replicas > 1:
         from mlc_spec.serve.replicas import serve_replicas
 
@@ -164,6 +160,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mlc_spec.serve.bench import add_arguments, at_least_one
+
     parser = argparse.ArgumentParser(prog="mlc-spec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -310,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--replicas",
-        type=int,
+        type=at_least_one,
         default=1,
         help="run this many servers behind sglang-router on --host/--port, each with the "
         "cores / N threads (default 1: one server, no router)",
@@ -337,8 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="benchmark", required=True)
     p = bench.add_parser("serve", help="load on the OpenAI server: throughput, TTFT, TPOT")
-    from mlc_spec.serve.bench import add_arguments
-
     add_arguments(p)
     p.set_defaults(run=_bench_serve)
 
