@@ -1,19 +1,19 @@
-"""The continuous-batching engine: each ``step`` prefills one chunk of newly admitted (or
-preempted) requests and advances every running sequence by one decode or speculative step.
-A step whose chunk completes a prompt ends after sampling its first token, so that token is
-reported at once; the decode step follows in the next ``step``.
+"""The continuous-batching engine: each ``step`` runs the plan the scheduler makes
+(runtime/scheduler.py: admissions, a prompt chunk, decode or verify rows with their drafts,
+preemptions) and commits its results. A step whose chunk completes a prompt ends after sampling
+its first token, so that token is reported at once; the decode step follows in the next
+``step``.
 
 A step reads as schedule -> execute -> commit -> process:
-  schedule  admission; the prefill chunk; which sequences decode (the newest requests are
-            preempted while one step of all does not fit in the cache) and how many drafts
-            each gets: the speculation policy, called once with the batch and measured costs
+  schedule  ``Scheduler.schedule``: one plan, decided there and nowhere else
   execute   the forward passes and sampling, nothing else: proposer.propose -> drafts;
-            target.decode when nothing was drafted, else evaluate_multi_query over [pending
-            token + drafts] of every sequence (ragged) and the compiled verification
-            (runtime/sampler.py) -> accepted prefix + one corrected/bonus token per sequence
-  commit    popn the rejected tokens (the proposer rolls back its own); statistics,
-            acceptance, step costs; token ids appended up to EOS, a stop token or max_tokens;
-            finished sequences free their pages at once
+            target.decode when nothing was drafted (with the plan's prompt chunk, a prefill
+            of every row), else evaluate_multi_query over [pending token + drafts] of every
+            sequence (ragged) and the compiled verification (runtime/sampler.py) -> accepted
+            prefix + one corrected/bonus token per sequence
+  commit    popn the rejected tokens (the proposer rolls back its own); statistics, and what
+            the scheduler's policy learns (acceptance, step costs); token ids appended up to
+            EOS, a stop token or max_tokens; finished sequences free their pages at once
   process   logprobs, text, stop strings, and the increments the caller streams
 
 With ``async_scheduling`` the execute phase runs on a worker thread (TVM releases the GIL
@@ -22,7 +22,7 @@ next one, and only then processes the committed tokens and admits requests for t
 so text, stop strings, streaming, admission and the caller's own work overlap the forward
 instead of delaying it. Admission ahead counts the tokens of the step in flight, not known yet,
 as placeholders at their most (every draft accepted); the admitted requests enter the cache
-when the next step is launched, where what did not fit that bound is admitted on exact counts.
+when the next step is planned, where what did not fit that bound is admitted on exact counts.
 Commit and the rest of scheduling see what they see without it; the one difference is a
 stop string, found only by processing: its sequence was already launched into the next step,
 whose tokens for it are discarded (its KV freed with it), so nothing past the stop reaches a
@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -43,24 +42,23 @@ import tvm.runtime
 from mlc_spec.errors import UserError
 
 from .logprobs import token_logprobs
-from .metrics import SpecStats, SpeculationLog, StepRecord, Timers
-from .model import Model, chunk_rounds, release_pooled_buffers
+from .metrics import SpecStats, Timers
+from .model import Model, release_pooled_buffers
 from .output_processor import OutputProcessor, SequenceOutput
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
 from .request import Request, RequestOutput, Sequence, Status
 from .rows import Rows, take
 from .sampler import DraftProbs
-from .scheduler import SEQUENCE_PAGE_SLACK, Scheduler, pages
-from .speculation import (
-    AcceptanceEstimator,
-    Candidate,
-    CostTable,
-    DraftCosts,
-    GoodputPolicy,
-    StepCosts,
-    StepShape,
+from .scheduler import (
+    SEQUENCE_PAGE_SLACK,
+    PrefillWork,
+    Scheduler,
+    StepPlan,
+    Work,
+    pages,
 )
+from .speculation import CostTable, DraftCosts, StepCosts
 from .speculation.warm_up import record, sizes, time_passes
 from .tokenizer import Tokenizer
 
@@ -68,43 +66,8 @@ __all__ = ["Engine", "EngineConfig"]
 
 
 @dataclasses.dataclass
-class PrefillWork:
-    """One prefill pass: preempted sequences recomputing their KV (no logits needed), and
-    prompt chunks; ``completes[i]``: ``fresh[i]``'s chunk ends its prompt, so its request
-    samples its first token(s) from the pass."""
-
-    restored: list[tuple[Sequence, list[int]]]
-    fresh: list[tuple[Sequence, list[int]]]
-    completes: list[bool]
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return [s for s, _ in self.restored + self.fresh]
-
-    def in_cache(self) -> PrefillWork | None:
-        """Without the sequences preempted since it was planned (``None`` if that is all)."""
-        fresh = [(f, c) for f, c in zip(self.fresh, self.completes, strict=True) if f[0].in_cache]
-        restored = [(s, t) for s, t in self.restored if s.in_cache]
-        if not (fresh or restored):
-            return None
-        return PrefillWork(restored, [f for f, _ in fresh], [c for _, c in fresh])
-
-
-@dataclasses.dataclass
 class PrefillResult:
     first: list[tuple[Sequence, int, Rows]]  # (sequence, first token, its logits row)
-
-
-@dataclasses.dataclass
-class StepPlan:
-    seqs: list[Sequence]
-    num_draft: list[int]  # drafts asked of the proposer per sequence
-    acceptance: list[float]  # the estimates the policy chose with (empty without a proposer)
-    predicted_seconds: float | None
-    expected_tokens: float  # what the policy expects the step to emit, by those estimates
-    # A prompt chunk computed in this step's decode pass (a plain step only): one forward
-    # reads the weights once for both.
-    chunk: PrefillWork | None = None
 
 
 @dataclasses.dataclass
@@ -126,9 +89,6 @@ class Emitted:
     seq: Sequence
     tokens: list[int]
     rows: Rows  # the target's logits row of each token
-
-
-Work = PrefillWork | StepPlan
 
 
 @dataclasses.dataclass
@@ -180,19 +140,13 @@ class Engine:
             prefix_cache=config.enable_prefix_caching,
         )
         self.capacity_pages = self.kv.available_pages()
-        self.scheduler = Scheduler(config.max_batch_size, self.kv.page_size)
+        draft_costs = proposer.costs if proposer else DraftCosts(model=False)
+        costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs)
+        self.scheduler = Scheduler(config, self.kv, proposer, speculative, costs)
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
         self.outputs = OutputProcessor(tokenizer)
         self.stats = SpecStats()
         self.timers = Timers()
-        self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache as sequences enter
-        self.prefix_cache_hits = 0  # ... and found there
-        self.acceptance = AcceptanceEstimator()
-        draft_costs = proposer.costs if proposer else DraftCosts(model=False)
-        self.costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs)
-        self.policy = GoodputPolicy()
-        self.speculation_log = SpeculationLog()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -203,7 +157,6 @@ class Engine:
         )
         self._in_flight: InFlight | None = None
         self._unprocessed: list[Emitted] = []  # committed while collecting outside ``step``
-        self._admitted: list[Request] = []  # admitted ahead, to enter the cache at the next launch
         self._stopped: list[Sequence] = []  # stopped by a string while a step was in flight
         if speculative is not None and speculative.auto:
             self._warm_up()
@@ -215,8 +168,9 @@ class Engine:
         rows, width = self.config.max_batch_size, self.max_k + 1
         decodes = [[1] * r for r in sizes(1, rows)]
         verifies = [[n] for n in sizes(1, rows * width)]
-        record(self.costs.decode, map(len, decodes), self._time("decode", decodes))
-        record(self.costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
+        costs = self.scheduler.costs
+        record(costs.decode, map(len, decodes), self._time("decode", decodes))
+        record(costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
         self.proposer.warm_up(rows)
 
     def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
@@ -248,7 +202,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length {self.target.context_length}"
             )
-        most_drafts = self._most_drafts(params)
+        most_drafts = self.scheduler.most_drafts(params)
         need = params.n * (pages(total + most_drafts + 1, self.kv.page_size) + SEQUENCE_PAGE_SLACK)
         if need > self.capacity_pages or params.n > self.config.max_batch_size:
             raise UserError(
@@ -283,11 +237,8 @@ class Engine:
         self._unprocessed = [e for e in self._unprocessed if e.seq.request is not request]
         for seq in request.unfinished:
             seq.finish_reason = "abort"
-            self._free(seq)
-        if request in self.scheduler.waiting:
-            self.scheduler.waiting.remove(request)
-        elif request.status == Status.RUNNING:
-            self.scheduler.finish(request)
+            self.scheduler.free(seq)
+        self.scheduler.remove(request)
 
     def has_unfinished(self) -> bool:
         """Requests to run, a step in flight, or committed tokens not yet reported."""
@@ -311,8 +262,8 @@ class Engine:
             len(self.scheduler.waiting),
             self.kv.available_pages() if in_flight is None else in_flight.free_pages,
             self.capacity_pages,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
+            self.scheduler.prefix_cache_queries,
+            self.scheduler.prefix_cache_hits,
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -324,13 +275,14 @@ class Engine:
         committed, self._unprocessed = self._unprocessed, []
         if self._in_flight is not None:
             committed += self._collect()
-        works = self._schedule()
+        with self.timers("schedule"):
+            works = self.scheduler.schedule().works
         if works and self._worker is not None:
             self._in_flight = InFlight(
                 works,
                 self._worker.submit(self._execute_all, works),
                 self.kv.available_pages(),
-                self._most_pages(works),
+                self.scheduler.most_pages(works),
             )
         elif works:
             committed += self._commit_all(works, self._execute_all(works))
@@ -341,29 +293,9 @@ class Engine:
         ):  # every sequence in flight was stopped by a string: nothing in it is wanted
             self._collect()
         if self._in_flight is not None:
-            self._admit_ahead()
+            with self.timers("admit ahead"):
+                self.scheduler.admit_ahead(self._in_flight.free_pages, self._in_flight.most_pages)
         return outputs
-
-    def _schedule(self) -> list[Work]:
-        """Admit what fits (after the requests admitted ahead enter the cache), then the step's
-        passes: the next prefill chunk, and a decode step unless that chunk completes a prompt
-        (its first tokens are reported first). While sequences decode, the chunk takes what
-        ``max_num_batched_tokens`` leaves them, so a long prompt holds up no stream for more
-        than a small chunk's time, and a plain decode step computes it in its own pass."""
-        with self.timers("schedule"):
-            admitted, self._admitted = self._admitted, []
-            self._enter(r for r in admitted if r.status == Status.RUNNING)  # not aborted since
-            self._enter(self.scheduler.admit(self.kv.available_pages() - self._prefill_reserve()))
-            prefill, plan = self._plan_prefill(self._chunk_budget()), None
-            if prefill is None or not any(prefill.completes):
-                plan = self._plan(chunk_waits=prefill is not None and not prefill.restored)
-                if prefill is not None:  # the decode step may have preempted a prompt's request
-                    prefill = prefill.in_cache()
-            works = [w for w in (prefill, plan) if w is not None and w.seqs]
-            if len(works) == 2 and not prefill.restored and not any(plan.num_draft):
-                plan.chunk = prefill  # a plain step: the chunk rides in its pass
-                return [plan]
-            return works
 
     def _execute_all(self, works: list[Work]) -> list[PrefillResult | StepResult]:
         """The passes of one step (on the worker thread with ``async_scheduling``)."""
@@ -383,32 +315,9 @@ class Engine:
                 else:
                     committed += self._commit(work, result)
             for seq in self._stopped:  # their KV can change now
-                self._free(seq)
+                self.scheduler.free(seq)
             self._stopped.clear()
             return committed
-
-    def _admit_ahead(self) -> None:
-        """Admit, while a step runs, the requests that fit even if every page its passes may
-        take is taken; they enter the cache when the next step is launched."""
-        with self.timers("admit ahead"):
-            in_flight = self._in_flight
-            free = in_flight.free_pages - in_flight.most_pages - self._prefill_reserve()
-            self._admitted += self.scheduler.admit(free)
-
-    def _most_pages(self, works: list[Work]) -> int:
-        """Pages the passes of ``works`` may take: every chunk token, every draft accepted."""
-        most = 0
-        for work in works:
-            if isinstance(work, PrefillWork):
-                new = [len(t) for _, t in work.restored + work.fresh]
-            else:
-                new = [k + 1 for k in work.num_draft]
-                if work.chunk is not None:
-                    most += self.scheduler.step_pages(
-                        work.chunk.seqs, [len(t) for _, t in work.chunk.fresh]
-                    )
-            most += self.scheduler.step_pages(work.seqs, new)
-        return most
 
     def _collect(self) -> list[Emitted]:
         """Wait for the step in flight and commit it."""
@@ -417,66 +326,7 @@ class Engine:
             results = in_flight.result.result()
         return self._commit_all(in_flight.works, results)
 
-    # ---- prefill ------------------------------------------------------------------------
-    def _to_feed(self, request: Request) -> list[Sequence]:
-        """A new request feeds its prompt once (its samples fork from it); a preempted one
-        recomputes each sequence's KV."""
-        seqs = request.unfinished
-        return [s for s in seqs if s.num_output] if seqs[0].num_output else seqs[:1]
-
-    @staticmethod
-    def _feed_end(seq: Sequence) -> int:
-        return len(seq.tokens) - 1 if seq.num_output else len(seq.tokens)
-
-    def _prefilling(self) -> list[Sequence]:
-        """Admitted sequences whose prompt (or, after preemption, history) is not yet fully in
-        the cache."""
-        return [
-            s
-            for r in self.scheduler.running
-            for s in r.unfinished
-            if s.in_cache and s.kv_len < self._feed_end(s)
-        ]
-
-    def _prefill_reserve(self) -> int:
-        """Pages still owed to admitted requests whose prefill is not finished."""
-        page = self.kv.page_size
-        return sum(
-            pages(self._feed_end(s), page) - pages(s.kv_len, page) + SEQUENCE_PAGE_SLACK
-            for s in self._prefilling()
-        )
-
-    def _decoding(self) -> list[Sequence]:
-        """Running sequences past their prompt: the rows of a decode step."""
-        return [s for r in self.scheduler.running for s in r.unfinished if s.prefilled]
-
-    def _chunk_budget(self) -> int:
-        """Prompt tokens this step's prefill pass may take: a whole pass's worth with nothing
-        decoding, else the step's token budget less a token per decoding sequence (their drafts
-        are chosen later; the budget bounds the prefill, not the verify pass), at least a page
-        so prompts always advance."""
-        decoding = len(self._decoding())
-        if not decoding:
-            return self.config.prefill_chunk_size
-        budget = self.config.max_num_batched_tokens - decoding
-        return min(self.config.prefill_chunk_size, max(self.kv.page_size, budget))
-
-    def _plan_prefill(self, budget: int) -> PrefillWork | None:
-        """The next prefill pass: up to ``budget`` pending prompt (or history) tokens, first
-        come first served."""
-        seqs = self._prefilling()
-        if not seqs:
-            return None
-        feeds = [s.tokens[s.kv_len : self._feed_end(s)] for s in seqs]
-        rows, chunks = next(chunk_rounds(feeds, budget))
-        chunked = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
-        fresh = [(s, t) for s, t in chunked if not s.num_output]
-        return PrefillWork(
-            [(s, t) for s, t in chunked if s.num_output],
-            fresh,
-            [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
-        )
-
+    # ---- execute -----------------------------------------------------------------------
     def _prefill(self, work: PrefillWork) -> PrefillResult:
         """Run a prefill pass; requests whose prompt it completes sample their first tokens,
         each sample of ``n > 1`` from the prompt's KV pages, shared through
@@ -516,81 +366,15 @@ class Engine:
             ]
         )
 
+    # ---- commit ------------------------------------------------------------------------
     def _commit_prefill(self, work: PrefillWork, result: PrefillResult) -> list[Emitted]:
-        for seq, tokens in work.restored + work.fresh:
-            seq.kv_len += len(tokens)
-            if seq.kv_len == self._feed_end(seq):  # shareable with prompts arriving meanwhile
-                self.kv.cache_prefix(seq.seq_id, seq.tokens[: seq.kv_len])
+        self.scheduler.prefilled(work)
         committed = []
         for seq, token, row in result.first:
             if seq.index > 0:  # a sample forked from its prompt's sequence
                 seq.in_cache, seq.kv_len = True, seq.request.sequences[0].kv_len
             committed.append(self._append(seq, [token], row))
         return committed
-
-    # ---- decode: plan -> execute -> commit ----------------------------------------------
-    def _plan(self, chunk_waits: bool = False) -> StepPlan:
-        """The sequences to advance and their draft counts. The newest requests are preempted
-        until a step at every sequence's draft cap fits in the free pages; then the policy
-        chooses each count up to its cap, or up to what the proposer has (prompt lookup may
-        find fewer drafts, or none).
-
-        ``chunk_waits``: a prompt chunk rides in this step's pass if the step is plain. A draft
-        would cost the chunk a pass of its own, a second read of every weight, which the
-        policy's step costs do not hold (SmolLM2 int8 served 6-11% slower with drafts chosen
-        so); automatic requests draft nothing then, requests that set k keep it."""
-        while True:
-            seqs = self._decoding()
-            caps = [self._draft_cap(s) for s in seqs]
-            need = self.scheduler.step_pages(seqs, [c + 1 for c in caps]) + self._prefill_reserve()
-            if need <= self.kv.available_pages() or len(self.scheduler.running) <= 1:
-                break
-            self._preempt(self.scheduler.preempt_newest())
-        if not seqs or self.proposer is None:
-            return StepPlan(seqs, [0] * len(seqs), [], None, len(seqs))
-        estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
-        if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
-            plain = self.costs.predict(StepShape(len(seqs)))
-            return StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs))
-        batch = []
-        for seq, cap, estimate in zip(seqs, caps, estimates, strict=True):
-            automatic = self._pinned_k(seq.params) is None
-            if automatic and chunk_waits:
-                cap = 0
-            most = self.proposer.available(seq, cap) if cap else 0
-            batch.append(
-                Candidate(
-                    cap=most,
-                    pinned=None if automatic else most,
-                    acceptance=estimate,
-                    catch_up=self.proposer.catch_up(seq) if most else 0,
-                    tokens_left=seq.tokens_left,
-                )
-            )
-        decision = self.policy.choose(batch, self.costs, self.acceptance.calibration())
-        return StepPlan(
-            seqs,
-            decision.num_draft,
-            estimates,
-            decision.predicted_seconds,
-            decision.expected_tokens,
-        )
-
-    def _pinned_k(self, params: SamplingParams) -> int | None:
-        """The k a request runs with (its own, else the engine's), capped by the engine's
-        maximum; ``None`` when the policy chooses."""
-        k = params.num_speculative_tokens
-        if k is None:
-            k = self.speculative.num_speculative_tokens if self.speculative else 0
-        return None if k == "auto" else min(k, self.max_k)
-
-    def _most_drafts(self, params: SamplingParams) -> int:
-        pinned = self._pinned_k(params)
-        return self.max_k if pinned is None else pinned
-
-    def _draft_cap(self, seq: Sequence) -> int:
-        """Most drafts ``seq`` may take this step: no more than it has tokens left for."""
-        return max(0, min(self._most_drafts(seq.params), seq.tokens_left - 1))
 
     def _execute(self, plan: StepPlan) -> StepResult:
         seqs, started = plan.seqs, time.perf_counter()
@@ -683,17 +467,7 @@ class Engine:
             seq.stats.record(int(k), int(a))
             self.stats.record(int(k), int(a))
         if self.proposer is not None:
-            asked = [j for j, k in enumerate(num_draft) if k > 0]
-            if asked:
-                self.proposer.on_verified(
-                    [seqs[j] for j in asked],
-                    [int(num_draft[j]) for j in asked],
-                    [int(accepted[j]) for j in asked],
-                )
-            self.acceptance.fade([s.seq_id for s in seqs])
-            for seq, k, a, i in zip(seqs, num_draft, accepted, live, strict=True):
-                self.acceptance.observe(seq.seq_id, int(k), int(a), plan.acceptance[i])
-                seq.stats.record_choice(plan.num_draft[i])
+            self.scheduler.verified(plan, live, num_draft.tolist(), accepted.tolist())
         committed = [
             self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
             for i, seq in zip(live, seqs, strict=True)
@@ -701,35 +475,15 @@ class Engine:
         if self.proposer is not None and plan.chunk is None:  # the policy did not price chunks
             # Overlapped, the host's work is off the step's time; in series it is on it.
             end = time.perf_counter() if self._worker is None else result.ended
-            self._record_costs(plan, result, end - result.started)
-        return committed
-
-    def _record_costs(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
-        """Feed the step's measured times to the cost model and the decision log."""
-        rows, drafted = len(plan.seqs), int(result.num_draft.sum())
-        self.costs.observe_target(rows, rows + drafted, result.target_seconds)
-        rest = seconds - result.draft_seconds - result.target_seconds
-        self.costs.per_row.observe(rest / rows)
-        names = [
-            s.request.request_id if s.params.n == 1 else f"{s.request.request_id}/{s.index}"
-            for s in plan.seqs
-        ]
-        self.speculation_log.record(
-            StepRecord(
-                names,
-                list(plan.num_draft),
-                plan.acceptance,
-                plan.predicted_seconds,
-                seconds,
-                plan.expected_tokens,
-                int(result.accepted.sum()) + rows,
+            self.scheduler.record_step(
+                plan,
+                result.num_draft.tolist(),
+                int(result.accepted.sum()) + len(plan.seqs),
+                end - result.started,
+                result.draft_seconds,
+                result.target_seconds,
             )
-        )
-
-    def _preempt(self, request: Request) -> None:
-        self.num_preemptions += 1
-        for seq in request.unfinished:
-            self._free(seq)
+        return committed
 
     # ---- tokens, stops, outputs ---------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int], rows: Rows) -> Emitted:
@@ -753,7 +507,7 @@ class Engine:
         """Free a finished sequence's pages, now or, while a step is in flight, when it is
         collected; a request is done when all its samples are."""
         if self._in_flight is None:
-            self._free(seq)
+            self.scheduler.free(seq)
         else:
             self._stopped.append(seq)
         if not seq.request.unfinished and seq.request.status == Status.RUNNING:
@@ -779,31 +533,6 @@ class Engine:
             requests[seq.request.request_id] = seq.request
         return [self._delta(r) for r in requests.values()]
 
-    def _enter(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            for seq in self._to_feed(request):
-                self._enter_cache(seq)
-
-    def _enter_cache(self, seq: Sequence) -> None:
-        """Into the KV cache, starting from the longest cached prefix of what it feeds."""
-        feed = seq.tokens[: self._feed_end(seq)]
-        seq.kv_len = self.kv.add_sequence_with_prefix(seq.seq_id, feed)
-        seq.in_cache = True
-        self.prefix_cache_queries += len(feed)
-        self.prefix_cache_hits += seq.kv_len
-        if not seq.num_output:
-            seq.request.num_cached_tokens = seq.kv_len
-
-    def _free(self, seq: Sequence) -> None:
-        if seq.in_cache:
-            self.kv.cache_prefix(seq.seq_id, seq.tokens[: seq.kv_len])
-            self.kv.remove_sequence(seq.seq_id)
-            seq.in_cache, seq.kv_len = False, 0
-        if self.proposer:
-            self.proposer.remove(seq)
-        if seq.finished:
-            self.acceptance.forget(seq.seq_id)
-
     def _delta(self, request: Request) -> RequestOutput:
         if not request.unfinished:
             self._requests.pop(request.request_id, None)
@@ -819,21 +548,8 @@ class Engine:
             "seconds": dict(self.timers.seconds),
             "calls": dict(self.timers.calls),
             "prefix_cache": {
-                "query_tokens": self.prefix_cache_queries,
-                "hit_tokens": self.prefix_cache_hits,
+                "query_tokens": self.scheduler.prefix_cache_queries,
+                "hit_tokens": self.scheduler.prefix_cache_hits,
             },
-            "speculation": self.speculation_metrics(),
-        }
-
-    def speculation_metrics(self) -> dict | None:
-        """What the policy chose and why: per-step decisions with predicted and measured step
-        times, the acceptance estimates and the measured cost tables (``None`` without
-        speculation)."""
-        if self.proposer is None:
-            return None
-        return {
-            **self.speculation_log.to_dict(),
-            "acceptance_prior": self.acceptance.prior(),
-            "acceptance_per_position": self.acceptance.per_position(),
-            "costs": self.costs.to_dict(),
+            "speculation": self.scheduler.speculation_metrics(),
         }

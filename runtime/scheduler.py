@@ -1,18 +1,44 @@
-"""Which requests run: FIFO admission within KV-page and batch limits, preemption of the
-newest request when the cache is full (it is re-queued first and recomputed later)."""
+"""The planner: each step, ``Scheduler.schedule`` decides what runs and returns it as one plan,
+a ``SchedulerOutput`` (vLLM v1's): the requests admitted and the prefix-cache hits they found,
+the requests preempted for pages, the next prompt chunk, and the rows of the decode or verify
+step with each one's draft count. The engine executes the plan's passes and commits their
+results; it decides nothing.
+
+The scheduler owns what the decisions rest on: the queues, the KV cache's pages (sequences
+enter the cache from their longest cached prefix here, and leave it here), and the speculation
+policy's state (acceptance estimates, measured step costs, the decision log).
+
+A plan reads top-down:
+  admit     FIFO, no overtaking, while pages (less those owed to prompts still prefilling)
+            and batch slots allow; admitted requests enter the cache
+  prefill   the next chunk of pending prompt (or preempted history) tokens: a whole pass with
+            nothing decoding, else what ``max_num_batched_tokens`` leaves the decoding rows
+  step      unless the chunk completes a prompt (its first tokens are reported first): the
+            newest requests are preempted while a step at every row's draft cap does not fit,
+            then the policy chooses each row's drafts; a plain step carries the chunk in its
+            own pass, so the weights are read once for both
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+from collections.abc import Iterable
 
+from .kv_cache import PagedKVCache
+from .metrics import SpeculationLog, StepRecord
+from .model import chunk_rounds
+from .params import EngineConfig, SamplingParams, SpeculativeConfig
+from .proposers import Proposer
 from .request import Request, Sequence, Status
+from .speculation import AcceptanceEstimator, Candidate, GoodputPolicy, StepCosts, StepShape
 
 # Pages a sequence may need beyond ``pages(its tokens)``. After ``fork_sequence`` a sample writes
 # its tokens into pages of its own while its parent's last, partly filled prompt page stays shared,
 # so each sample can hold one page more than a packed count says.
 FORK_PAGE_SLACK = 1
 # Pages admission sets aside for each sequence's first step (its pending token and drafts). It is
-# a reservation only: every step counts its pages again before it runs (``Engine._plan``).
+# a reservation only: every step counts its pages again before it runs (``Scheduler._plan_step``).
 FIRST_STEP_PAGES = 1
 # What a sequence may need beyond ``pages(its tokens)`` from admission to its end.
 SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
@@ -22,44 +48,144 @@ def pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+@dataclasses.dataclass
+class PrefillWork:
+    """One prefill pass: preempted sequences recomputing their KV (no logits needed), and
+    prompt chunks; ``completes[i]``: ``fresh[i]``'s chunk ends its prompt, so its request
+    samples its first token(s) from the pass."""
+
+    restored: list[tuple[Sequence, list[int]]]
+    fresh: list[tuple[Sequence, list[int]]]
+    completes: list[bool]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s for s, _ in self.restored + self.fresh]
+
+    def in_cache(self) -> PrefillWork | None:
+        """Without the sequences preempted since it was planned (``None`` if that is all)."""
+        fresh = [(f, c) for f, c in zip(self.fresh, self.completes, strict=True) if f[0].in_cache]
+        restored = [(s, t) for s, t in self.restored if s.in_cache]
+        if not (fresh or restored):
+            return None
+        return PrefillWork(restored, [f for f, _ in fresh], [c for _, c in fresh])
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """The decode or verify rows of a step."""
+
+    seqs: list[Sequence]
+    num_draft: list[int]  # drafts asked of the proposer per sequence
+    acceptance: list[float]  # the estimates the policy chose with (empty without a proposer)
+    predicted_seconds: float | None
+    expected_tokens: float  # what the policy expects the step to emit, by those estimates
+    # A prompt chunk computed in this step's decode pass (a plain step only): one forward
+    # reads the weights once for both.
+    chunk: PrefillWork | None = None
+
+
+Work = PrefillWork | StepPlan
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's plan. ``works`` are its passes, in order."""
+
+    admitted: list[Request]  # entered the cache for this step
+    cached_tokens: int  # of their tokens, found in the prefix cache
+    preempted: list[Request]  # back to the queue's front; their pages freed
+    prefill: PrefillWork | None  # a prefill pass of its own
+    step: StepPlan | None  # decode / verify rows, with the chunk when it rides along
+
+    @property
+    def works(self) -> list[Work]:
+        return [w for w in (self.prefill, self.step) if w is not None and w.seqs]
+
+
 class Scheduler:
-    def __init__(self, max_batch_size: int, page_size: int):
-        self.max_batch_size = max_batch_size
-        self.page_size = page_size
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: PagedKVCache,
+        proposer: Proposer | None,
+        speculative: SpeculativeConfig | None,
+        costs: StepCosts,
+    ):
+        self.config, self.kv = config, kv
+        self.proposer, self.speculative = proposer, speculative
+        self.max_batch_size, self.page_size = config.max_batch_size, kv.page_size
+        self.max_k = speculative.max_speculative_tokens if speculative else 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order; prefilling ones included
+        self._admitted_ahead: list[Request] = []  # enter the cache at the next ``schedule``
+        # The speculation policy and what it learns from.
+        self.acceptance = AcceptanceEstimator()
+        self.costs = costs
+        self.policy = GoodputPolicy()
+        self.speculation_log = SpeculationLog()
+        # Counters a server reports.
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache as sequences enter
+        self.prefix_cache_hits = 0  # ... and found there
 
+    # ---- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_running_seqs(self) -> int:
-        return sum(len(r.unfinished) for r in self.running)
+    def finish(self, request: Request) -> None:
+        request.status = Status.FINISHED
+        self.running.remove(request)
 
-    def admission_pages(self, request: Request) -> int:
-        """Pages the request needs to (re)enter the cache and take its first step."""
-        seqs = request.unfinished
-        if len(seqs[0].tokens) == seqs[0].num_prompt:  # new: one prompt, forked after prefill
-            return pages(seqs[0].num_prompt, self.page_size) + SEQUENCE_PAGE_SLACK * len(seqs)
-        return sum(pages(len(s.tokens), self.page_size) + FIRST_STEP_PAGES for s in seqs)
+    def remove(self, request: Request) -> None:
+        """An aborted request leaves the queues; its sequences were freed."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request.status == Status.RUNNING:
+            self.finish(request)
 
-    def admit(self, free_pages: int) -> list[Request]:
-        """Move waiting requests (FIFO, no overtaking) into the running set while they fit."""
-        admitted = []
-        while self.waiting:
-            request = self.waiting[0]
-            need = self.admission_pages(request)
-            seqs = len(request.unfinished)
-            if need > free_pages or self.num_running_seqs() + seqs > self.max_batch_size:
-                break
-            free_pages -= need
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            self.running.append(request)
-            admitted.append(request)
-        return admitted
+    # ---- the plan -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Admit what fits (after the requests admitted ahead enter the cache), then the step's
+        passes: the next prefill chunk, and a decode step unless that chunk completes a prompt.
+        While sequences decode, the chunk takes what ``max_num_batched_tokens`` leaves them, so
+        a long prompt holds up no stream for more than a small chunk's time."""
+        hits = self.prefix_cache_hits
+        ahead, self._admitted_ahead = self._admitted_ahead, []
+        admitted = self._enter([r for r in ahead if r.status == Status.RUNNING])  # not aborted
+        admitted += self._enter(self._admit(self.kv.available_pages() - self._prefill_reserve()))
+        cached = self.prefix_cache_hits - hits
+        prefill, step, preempted = self._plan_prefill(self._chunk_budget()), None, []
+        if prefill is None or not any(prefill.completes):
+            chunk_waits = prefill is not None and not prefill.restored
+            step, preempted = self._plan_step(chunk_waits)
+            if prefill is not None:  # the step may have preempted a prompt's request
+                prefill = prefill.in_cache()
+        plain = step is not None and step.seqs and not any(step.num_draft)
+        if plain and prefill is not None and not prefill.restored:
+            step.chunk, prefill = prefill, None  # the chunk rides in the plain step's pass
+        return SchedulerOutput(admitted, cached, preempted, prefill, step)
+
+    def admit_ahead(self, free_pages: int, most_pages: int) -> None:
+        """While a step runs, admit the requests that fit even if it takes ``most_pages`` of
+        the ``free_pages`` it was launched with; they enter the cache at the next plan."""
+        self._admitted_ahead += self._admit(free_pages - most_pages - self._prefill_reserve())
+
+    def most_pages(self, works: list[Work]) -> int:
+        """Pages the passes of ``works`` may take: every chunk token, every draft accepted."""
+        most = 0
+        for work in works:
+            if isinstance(work, PrefillWork):
+                new = [len(t) for _, t in work.restored + work.fresh]
+            else:
+                new = [k + 1 for k in work.num_draft]
+                if work.chunk is not None:
+                    most += self.step_pages(work.chunk.seqs, [len(t) for _, t in work.chunk.fresh])
+            most += self.step_pages(work.seqs, new)
+        return most
 
     def step_pages(self, seqs: list[Sequence], new_tokens: list[int]) -> int:
         """Pages needed to append ``new_tokens[i]`` tokens to each sequence's KV."""
@@ -68,12 +194,264 @@ class Scheduler:
             for s, n in zip(seqs, new_tokens, strict=True)
         )
 
-    def preempt_newest(self) -> Request:
+    # ---- admission ----------------------------------------------------------------------
+    def _admit(self, free_pages: int) -> list[Request]:
+        """Move waiting requests (FIFO, no overtaking) into the running set while they fit."""
+        admitted = []
+        while self.waiting:
+            request = self.waiting[0]
+            need = self._admission_pages(request)
+            seqs = len(request.unfinished)
+            if need > free_pages or self._num_running_seqs() + seqs > self.max_batch_size:
+                break
+            free_pages -= need
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _num_running_seqs(self) -> int:
+        return sum(len(r.unfinished) for r in self.running)
+
+    def _admission_pages(self, request: Request) -> int:
+        """Pages the request needs to (re)enter the cache and take its first step."""
+        seqs = request.unfinished
+        if len(seqs[0].tokens) == seqs[0].num_prompt:  # new: one prompt, forked after prefill
+            return pages(seqs[0].num_prompt, self.page_size) + SEQUENCE_PAGE_SLACK * len(seqs)
+        return sum(pages(len(s.tokens), self.page_size) + FIRST_STEP_PAGES for s in seqs)
+
+    @staticmethod
+    def _to_feed(request: Request) -> list[Sequence]:
+        """A new request feeds its prompt once (its samples fork from it); a preempted one
+        recomputes each sequence's KV."""
+        seqs = request.unfinished
+        return [s for s in seqs if s.num_output] if seqs[0].num_output else seqs[:1]
+
+    def _enter(self, requests: list[Request]) -> list[Request]:
+        for request in requests:
+            for seq in self._to_feed(request):
+                self._enter_cache(seq)
+        return requests
+
+    def _enter_cache(self, seq: Sequence) -> None:
+        """Into the KV cache, starting from the longest cached prefix of what it feeds."""
+        feed = seq.tokens[: feed_end(seq)]
+        seq.kv_len = self.kv.add_sequence_with_prefix(seq.seq_id, feed)
+        seq.in_cache = True
+        self.prefix_cache_queries += len(feed)
+        self.prefix_cache_hits += seq.kv_len
+        if not seq.num_output:
+            seq.request.num_cached_tokens = seq.kv_len
+
+    def free(self, seq: Sequence) -> None:
+        """Out of the KV cache, its whole pages kept as a cached prefix; the proposer's and the
+        policy's state for it go too once it is finished."""
+        if seq.in_cache:
+            self.kv.cache_prefix(seq.seq_id, seq.tokens[: seq.kv_len])
+            self.kv.remove_sequence(seq.seq_id)
+            seq.in_cache, seq.kv_len = False, 0
+        if self.proposer:
+            self.proposer.remove(seq)
+        if seq.finished:
+            self.acceptance.forget(seq.seq_id)
+
+    # ---- prefill ------------------------------------------------------------------------
+    def _prefilling(self) -> list[Sequence]:
+        """Admitted sequences whose prompt (or, after preemption, history) is not yet fully in
+        the cache."""
+        return [
+            s for r in self.running for s in r.unfinished if s.in_cache and s.kv_len < feed_end(s)
+        ]
+
+    def _prefill_reserve(self) -> int:
+        """Pages still owed to admitted requests whose prefill is not finished."""
+        page = self.page_size
+        return sum(
+            pages(feed_end(s), page) - pages(s.kv_len, page) + SEQUENCE_PAGE_SLACK
+            for s in self._prefilling()
+        )
+
+    def _chunk_budget(self) -> int:
+        """Prompt tokens this step's prefill pass may take: a whole pass's worth with nothing
+        decoding, else the step's token budget less a token per decoding sequence (their drafts
+        are chosen later; the budget bounds the prefill, not the verify pass), at least a page
+        so prompts always advance."""
+        decoding = len(self._decoding())
+        if not decoding:
+            return self.config.prefill_chunk_size
+        budget = self.config.max_num_batched_tokens - decoding
+        return min(self.config.prefill_chunk_size, max(self.page_size, budget))
+
+    def _plan_prefill(self, budget: int) -> PrefillWork | None:
+        """The next prefill pass: up to ``budget`` pending prompt (or history) tokens, first
+        come first served."""
+        seqs = self._prefilling()
+        if not seqs:
+            return None
+        feeds = [s.tokens[s.kv_len : feed_end(s)] for s in seqs]
+        rows, chunks = next(chunk_rounds(feeds, budget))
+        chunked = [(seqs[i], feeds[i][c]) for i, c in zip(rows, chunks, strict=True)]
+        fresh = [(s, t) for s, t in chunked if not s.num_output]
+        return PrefillWork(
+            [(s, t) for s, t in chunked if s.num_output],
+            fresh,
+            [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
+        )
+
+    def prefilled(self, work: PrefillWork) -> None:
+        """A prefill pass ran: its sequences' KV grew, and each finished prompt (or history)
+        is shared with prompts arriving meanwhile."""
+        for seq, tokens in work.restored + work.fresh:
+            seq.kv_len += len(tokens)
+            if seq.kv_len == feed_end(seq):
+                self.kv.cache_prefix(seq.seq_id, seq.tokens[: seq.kv_len])
+
+    # ---- the decode / verify step -------------------------------------------------------
+    def _decoding(self) -> list[Sequence]:
+        """Running sequences past their prompt: the rows of a decode step."""
+        return [s for r in self.running for s in r.unfinished if s.prefilled]
+
+    def _plan_step(self, chunk_waits: bool) -> tuple[StepPlan, list[Request]]:
+        """The sequences to advance and their draft counts, and the requests preempted for
+        them. The newest requests are preempted until a step at every sequence's draft cap fits
+        in the free pages; then the policy chooses each count up to its cap, or up to what the
+        proposer has (prompt lookup may find fewer drafts, or none).
+
+        ``chunk_waits``: a prompt chunk rides in this step's pass if the step is plain. A draft
+        would cost the chunk a pass of its own, a second read of every weight, which the
+        policy's step costs do not hold (SmolLM2 int8 served 6-11% slower with drafts chosen
+        so); automatic requests draft nothing then, requests that set k keep it."""
+        preempted = []
+        while True:
+            seqs = self._decoding()
+            caps = [self._draft_cap(s) for s in seqs]
+            need = self.step_pages(seqs, [c + 1 for c in caps]) + self._prefill_reserve()
+            if need <= self.kv.available_pages() or len(self.running) <= 1:
+                break
+            preempted.append(self._preempt_newest())
+        if not seqs or self.proposer is None:
+            return StepPlan(seqs, [0] * len(seqs), [], None, len(seqs)), preempted
+        estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
+        if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
+            plain = self.costs.predict(StepShape(len(seqs)))
+            return StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs)), preempted
+        batch = []
+        for seq, cap, estimate in zip(seqs, caps, estimates, strict=True):
+            automatic = self.pinned_k(seq.params) is None
+            if automatic and chunk_waits:
+                cap = 0
+            most = self.proposer.available(seq, cap) if cap else 0
+            batch.append(
+                Candidate(
+                    cap=most,
+                    pinned=None if automatic else most,
+                    acceptance=estimate,
+                    catch_up=self.proposer.catch_up(seq) if most else 0,
+                    tokens_left=seq.tokens_left,
+                )
+            )
+        decision = self.policy.choose(batch, self.costs, self.acceptance.calibration())
+        plan = StepPlan(
+            seqs,
+            decision.num_draft,
+            estimates,
+            decision.predicted_seconds,
+            decision.expected_tokens,
+        )
+        return plan, preempted
+
+    def _preempt_newest(self) -> Request:
+        """The newest request goes back to the queue's front; its pages are freed (its whole
+        pages stay cached, so it usually finds them again)."""
         request = self.running.pop()
         request.status = Status.WAITING
         self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        for seq in request.unfinished:
+            self.free(seq)
         return request
 
-    def finish(self, request: Request) -> None:
-        request.status = Status.FINISHED
-        self.running.remove(request)
+    def pinned_k(self, params: SamplingParams) -> int | None:
+        """The k a request runs with (its own, else the engine's), capped by the engine's
+        maximum; ``None`` when the policy chooses."""
+        k = params.num_speculative_tokens
+        if k is None:
+            k = self.speculative.num_speculative_tokens if self.speculative else 0
+        return None if k == "auto" else min(k, self.max_k)
+
+    def most_drafts(self, params: SamplingParams) -> int:
+        pinned = self.pinned_k(params)
+        return self.max_k if pinned is None else pinned
+
+    def _draft_cap(self, seq: Sequence) -> int:
+        """Most drafts ``seq`` may take this step: no more than it has tokens left for."""
+        return max(0, min(self.most_drafts(seq.params), seq.tokens_left - 1))
+
+    # ---- what the policy learns from a step ---------------------------------------------
+    def verified(
+        self, plan: StepPlan, rows: Iterable[int], num_draft: list[int], accepted: list[int]
+    ) -> None:
+        """Acceptance of plan rows ``rows`` (those still running), ``num_draft[j]`` verified
+        and ``accepted[j]`` accepted for the j-th of them."""
+        rows = list(rows)
+        seqs = [plan.seqs[i] for i in rows]
+        asked = [j for j, k in enumerate(num_draft) if k > 0]
+        if asked:
+            self.proposer.on_verified(
+                [seqs[j] for j in asked],
+                [num_draft[j] for j in asked],
+                [accepted[j] for j in asked],
+            )
+        self.acceptance.fade([s.seq_id for s in seqs])
+        for seq, k, a, i in zip(seqs, num_draft, accepted, rows, strict=True):
+            self.acceptance.observe(seq.seq_id, k, a, plan.acceptance[i])
+            seq.stats.record_choice(plan.num_draft[i])
+
+    def record_step(
+        self,
+        plan: StepPlan,
+        num_draft: list[int],
+        emitted: int,
+        seconds: float,
+        draft_seconds: float,
+        target_seconds: float,
+    ) -> None:
+        """Feed a step's measured times to the cost model and the decision log."""
+        rows, drafted = len(plan.seqs), sum(num_draft)
+        self.costs.observe_target(rows, rows + drafted, target_seconds)
+        self.costs.per_row.observe((seconds - draft_seconds - target_seconds) / rows)
+        names = [
+            s.request.request_id if s.params.n == 1 else f"{s.request.request_id}/{s.index}"
+            for s in plan.seqs
+        ]
+        self.speculation_log.record(
+            StepRecord(
+                names,
+                list(plan.num_draft),
+                plan.acceptance,
+                plan.predicted_seconds,
+                seconds,
+                plan.expected_tokens,
+                emitted,
+            )
+        )
+
+    def speculation_metrics(self) -> dict | None:
+        """What the policy chose and why: per-step decisions with predicted and measured step
+        times, the acceptance estimates and the measured cost tables (``None`` without
+        speculation)."""
+        if self.proposer is None:
+            return None
+        return {
+            **self.speculation_log.to_dict(),
+            "acceptance_prior": self.acceptance.prior(),
+            "acceptance_per_position": self.acceptance.per_position(),
+            "costs": self.costs.to_dict(),
+        }
+
+
+def feed_end(seq: Sequence) -> int:
+    """Tokens of ``seq`` whose KV a (re)entry computes: the prompt, or after preemption all
+    but the pending token (the next step feeds it)."""
+    return len(seq.tokens) - 1 if seq.num_output else len(seq.tokens)

@@ -253,7 +253,7 @@ def cost_table(
     """The step costs the automatic engines measured, as multiples of a decode step."""
     lines = []
     for method in methods:
-        costs = engines[f"{method} auto"].costs
+        costs = engines[f"{method} auto"].scheduler.costs
         lines += [
             f"Step costs measured by the automatic {method} engine (warm-up and every step, "
             "running means), ms; verify of rows x (k + 1) tokens as a multiple of decode(rows)"
@@ -277,7 +277,7 @@ def cost_table(
                     f" | {1e3 * costs.draft.next.predict(rows):.1f}"
                 )
             lines.append(row + " |")
-        log = engines[f"{method} auto"].speculation_log
+        log = engines[f"{method} auto"].scheduler.speculation_log
         if log.measured_seconds:
             lines.append(
                 f"\nPredicted vs measured decode-step time (automatic {method}, all steps): "

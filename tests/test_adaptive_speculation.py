@@ -45,7 +45,7 @@ def _no_leak(llm: LLM) -> None:
     assert engine.kv.available_pages() == engine.capacity_pages
     if hasattr(engine.proposer, "kv"):
         assert engine.proposer.kv.available_pages() == engine.capacity_pages
-    assert len(engine.acceptance) == 0  # no per-sequence state left behind
+    assert len(engine.scheduler.acceptance) == 0  # no per-sequence state left behind
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def reference(tiny_llama) -> list[list[int]]:
 def test_greedy_is_identical_under_random_k(target, tiny_llama_draft, method):
     reference = _ids(LLM(target.artifact).generate(_prompts(), GREEDY))
     llm = _llm(target, method, tiny_llama_draft)
-    llm.engine.policy = RandomK(seed=0)
+    llm.engine.scheduler.policy = RandomK(seed=0)
     assert _ids(llm.generate(_prompts(), GREEDY)) == reference
     chosen = llm.metrics()["speculation"]["sequence_steps_by_k"]
     # Many k ran: all of 0..6 with the draft model; prompt lookup is planned with what it found.
@@ -73,9 +73,9 @@ def test_random_k_with_preemption(target, tiny_llama_draft):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = _ids(LLM(target.artifact).generate(prompts, params))
     llm = _llm(target, "draft", tiny_llama_draft, max_total_len=192)
-    llm.engine.policy = RandomK(seed=1)
+    llm.engine.scheduler.policy = RandomK(seed=1)
     assert _ids(llm.generate(prompts, params)) == expected
-    assert llm.engine.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     _no_leak(llm)
 
 
@@ -84,7 +84,7 @@ def test_speculation_off_runs_the_plain_decode_path(tiny_llama, tiny_llama_draft
     calls = {"propose": [], "verify": 0, "policy": 0}
     propose = llm.engine.proposer.propose
     verify = llm.engine.target.evaluate_multi_query
-    choose = llm.engine.policy.choose
+    choose = llm.engine.scheduler.policy.choose
 
     def counting_choose(*args):
         calls["policy"] += 1
@@ -100,7 +100,7 @@ def test_speculation_off_runs_the_plain_decode_path(tiny_llama, tiny_llama_draft
 
     llm.engine.proposer.propose = counting_propose
     llm.engine.target.evaluate_multi_query = counting_verify
-    llm.engine.policy.choose = counting_choose
+    llm.engine.scheduler.policy.choose = counting_choose
     off = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=0)
     outputs = llm.generate(_prompts(), off)
     assert _ids(outputs) == reference

@@ -97,7 +97,7 @@ def test_chunked_prefill_and_preemption(target, tiny_llama_draft):
     )
     expected = _run(sync, prompts)
     assert [r[:3] for r in _run(on, prompts)] == [r[:3] for r in expected]
-    assert sync.engine.num_preemptions > 0 and on.engine.num_preemptions > 0
+    assert sync.engine.scheduler.num_preemptions > 0 and on.engine.scheduler.num_preemptions > 0
     plain = LLM(target.artifact).generate(prompts, GREEDY)
     assert [r[0] for r in expected] == [o.outputs[0].token_ids for o in plain]
 

@@ -59,7 +59,7 @@ def test_preemption_restores_the_same_output(target, tiny_llama_draft):
     big = LLM(target.artifact, draft_model=draft, speculative=spec)
     small = LLM(target.artifact, draft_model=draft, speculative=spec, max_total_len=192)
     assert _ids(small.generate(prompts, params)) == _ids(big.generate(prompts, params))
-    assert small.engine.num_preemptions > 0 and big.engine.num_preemptions == 0
+    assert small.engine.scheduler.num_preemptions > 0 and big.engine.scheduler.num_preemptions == 0
     _no_leak(small)
 
 

@@ -110,7 +110,7 @@ def test_sampling_is_exact_under_random_k(pair, method):
         speculative={"method": method, "num_speculative_tokens": "auto"},
         max_batch_size=64,
     )
-    llm.engine.policy = RandomK(seed=2)
+    llm.engine.scheduler.policy = RandomK(seed=2)
     rng = np.random.default_rng(4)
     ks = [[None, 0, 1, 2][i] for i in rng.integers(0, 4, SAMPLES // 60)]
     counts = sample_counts(llm, PARAMS["temperature 1"], ks)
