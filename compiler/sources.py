@@ -30,6 +30,7 @@ from .quantization import (
     from_gguf,
     permute_rows,
 )
+from .sampling_defaults import FIELDS as SAMPLING_FIELDS
 
 # model_type -> the Hugging Face class name that config["architectures"] carries.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -94,6 +95,8 @@ class ModelSource:
     stored_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # A GGUF's ``tokenizer.ggml.pre``: how its text is split before the merges.
     pre_tokenizer: str | None = None
+    # The publisher's sampling settings where the source has them (sampling_defaults.FIELDS).
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def save_tokenizer(self, out_dir: Path) -> None:
         """Write tokenizer.json, tokenizer_config.json (with the chat template inline) and
@@ -190,10 +193,11 @@ def _load_hf_dir(path: Path) -> ModelSource:
         raise CompileError(f"{config_path} is not a JSON object")
     # generation_config.json carries the full stop list (e.g. several eos ids for chat).
     generation_path = path / "generation_config.json"
-    if generation_path.is_file():
-        generation = _read_json(generation_path)
-        if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
-            config["eos_token_id"] = generation["eos_token_id"]
+    generation = _read_json(generation_path) if generation_path.is_file() else {}
+    if not isinstance(generation, dict):
+        raise CompileError(f"{generation_path} is not a JSON object")
+    if generation.get("eos_token_id") is not None:
+        config["eos_token_id"] = generation["eos_token_id"]
 
     single, index_path = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
@@ -234,6 +238,7 @@ def _load_hf_dir(path: Path) -> ModelSource:
         source_hash=sha256_files(sorted(headers)),
         path=path,
         chat_template=template,
+        sampling={k: generation[k] for k in SAMPLING_FIELDS if generation.get(k) is not None},
     )
 
 
@@ -359,6 +364,11 @@ def _load_gguf(path: Path) -> ModelSource:
         path=path,
         chat_template=_gguf_value(reader, path, "tokenizer.chat_template", None),
         pre_tokenizer=_gguf_value(reader, path, "tokenizer.ggml.pre", None),
+        sampling={
+            name: value
+            for name, key in SAMPLING_FIELDS.items()
+            if (value := _gguf_value(reader, path, key, None)) is not None
+        },
         stored=LazyTensors(stored),
         stored_formats=formats,
         stored_shapes=shapes,

@@ -87,9 +87,26 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def clipped_take(x: nn.Tensor, indices: nn.Tensor, axis: int, name: str = "take") -> nn.Tensor:
+    """``op.take`` with indices clipped into bounds. TVM's default mode ("fast") would read out
+    of bounds on a bad index, and says so in a warning at every compile; the runtime checks
+    token ids before a pass, so clipping changes no result and costs a min/max a row."""
+    return op.wrap_nested(rx.op.take(x._expr, indices._expr, axis, mode="clip"), name)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` gathering with ``clipped_take``."""
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        if x.ndim == 1:
+            return clipped_take(self.weight, x, 0)
+        rows = clipped_take(self.weight, op.reshape(x, shape=[-1]), 0)
+        return op.reshape(rows, shape=[*x.shape, self.weight.shape[1]])
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
 
@@ -166,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         """New tokens of one or more sequences [1, total]; logits at ``logit_positions``
         (each sequence's last token) [1, batch, vocab]. Also continues a sequence (chunks)."""
         bound = self.kv_cache.bind(kv)
-        h = op.take(self.model(input_ids, bound), logit_positions, axis=1)
+        h = clipped_take(self.model(input_ids, bound), logit_positions, axis=1)
         return self._logits(h), bound.result
 
     def decode(self, input_ids: nn.Tensor, kv):

@@ -75,6 +75,17 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params)
 
+    def default_sampling_params(self, **given: Any) -> SamplingParams:
+        """``SamplingParams(**given)``, with the sampling settings the model's publisher
+        recommends (carried in the artifact) for the fields not given (vLLM's
+        ``get_default_sampling_params``). Requests without params get these."""
+        return SamplingParams(**{**self.sampling_defaults, **given})
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The artifact's recommended ``temperature`` / ``top_p`` / ``top_k`` ({} if none)."""
+        return dict(self.model.config.get("sampling_defaults") or {})
+
     def metrics(self) -> dict[str, Any]:
         """Engine-wide speculation counters, seconds per phase, and the speculation policy's
         decisions with the measurements behind them."""
@@ -90,7 +101,7 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_sampling_params()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")

@@ -240,7 +240,9 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
         chat: bool,
         with_logprobs: bool,
     ) -> Response:
-        params = body.sampling_params(llm.engine.max_sequence_len(body.n) - len(prompt))
+        params = body.sampling_params(
+            llm.engine.max_sequence_len(body.n) - len(prompt), llm.sampling_defaults
+        )
         stream = await raw.app.state.engine.add(prompt, params)
         builder = ResponseBuilder(chat, model_name, tokenizer, len(prompt), params.n)
         if body.stream:

@@ -413,8 +413,7 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
         serve_args += ["-k", k or args.k, "--max-batch-size", str(args.max_batch_size)]
         serve_args += ["--max-total-len", str(args.max_total_len)]
         serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
-        if args.model:
-            serve_args += ["--model", args.model]
+        serve_args += ["--model", args.model]
         if method == "draft" and args.draft_model:
             serve_args += ["--draft-model", args.draft_model]
         for cached in caching:
@@ -679,8 +678,17 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--served-model", default="bench", help="the model name requests ask for (default bench)"
     )
-    p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
-    p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="artifact directory or PyPI model name, compiled on first use (default "
+        "smollm2-135m-instruct)",
+    )
+    p.add_argument(
+        "--draft-model",
+        help="draft artifact directory or PyPI model name (--speculative draft; default: the "
+        "named model's own draft)",
+    )
     p.add_argument(
         "--speculative",
         nargs="+",

@@ -52,12 +52,17 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# What a request that sets none of these gets from a model that recommends none.
+_OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
 class _SamplingRequest(_Request):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(0, ge=-1)
+    # None: the model's recommended setting (the artifact's), else OpenAI's default.
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1)
     seed: int | None = Field(None, **INT64)
     stop: Text | list[Text] | None = None
@@ -107,13 +112,14 @@ class _SamplingRequest(_Request):
         ]
         return " and ".join(bounds) or None
 
-    def sampling_params(self, room: int) -> SamplingParams:
-        """``room``: tokens each sample may hold after the prompt (context or KV budget)."""
+    def sampling_params(self, room: int, defaults: dict[str, Any]) -> SamplingParams:
+        """``room``: tokens each sample may hold after the prompt (context or KV budget);
+        ``defaults``: the model's recommended settings, for the fields the request left out."""
+        settings = {**_OPENAI_DEFAULTS, **defaults}
+        given = {f: getattr(self, f) for f in _OPENAI_DEFAULTS if getattr(self, f) is not None}
         return SamplingParams(
             max_tokens=self._max_tokens(room),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            **{**settings, **given},
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

