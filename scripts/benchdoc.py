@@ -119,6 +119,12 @@ HEADLINE = (
         "`python scripts/bench_long_prompt.py --write docs/benchmarks.md`",
     ),
     Group(
+        "Replicas behind sglang-router against one server",
+        rf"bench_router{_CPU}",
+        1,
+        "`python scripts/bench_router.py --write docs/benchmarks.md`",
+    ),
+    Group(
         "Qwen2.5-Coder-1.5B with the 0.5B draft: speculative decoding end to end on HumanEval",
         rf"bench_speculative-qwen-.+{_CPU}",
         3,

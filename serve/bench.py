@@ -416,15 +416,21 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
         serve_args += ["--model", args.model]
         if method == "draft" and args.draft_model:
             serve_args += ["--draft-model", args.draft_model]
-        for cached in caching:
-            label = setting_label(speculative, args.k)
-            if cached:
-                yield label, launched_server(serve_args)
-            else:
-                yield (
-                    f"{label}, no prefix cache",
-                    launched_server([*serve_args, "--no-enable-prefix-caching"]),
-                )
+        for cached, replicas in itertools.product(caching, args.replicas):
+            label, cmd, env = setting_label(speculative, args.k), list(serve_args), None
+            if not cached:
+                label, cmd = f"{label}, no prefix cache", [*cmd, "--no-enable-prefix-caching"]
+            if replicas > 1:
+                cmd += ["--replicas", str(replicas)]
+            threads = args.threads_per_replica
+            if threads and replicas > 1:
+                cmd += ["--threads-per-replica", str(threads)]
+            elif threads:
+                env = {**os.environ, "TVM_NUM_THREADS": str(threads)}
+            if len(args.replicas) > 1 or replicas > 1:
+                label += f", {replicas} replica{'s' * (replicas > 1)}"
+                label += f" x {threads} thread{'s' * (threads > 1)}" if threads else ""
+            yield label, launched_server(cmd, env)
 
 
 def engine_stats(base: str) -> dict[str, Any] | None:
@@ -720,6 +726,19 @@ def add_arguments(p) -> None:
         choices=["on", "off", "both"],
         default="on",
         help="mlc-spec serve with its prefix cache, without, or one server of each per setting",
+    )
+    p.add_argument(
+        "--replicas",
+        type=at_least_one,
+        nargs="+",
+        default=[1],
+        help="mlc-spec serve with each of these numbers of replicas (behind sglang-router "
+        "where more than 1), one server each",
+    )
+    p.add_argument(
+        "--threads-per-replica",
+        type=at_least_one,
+        help="each replica's (or the one server's) threads (default: cores / replicas)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     p.add_argument(

@@ -16,6 +16,7 @@ from served import serving
 from mlc_spec import LLM
 from mlc_spec.cli import main
 from mlc_spec.errors import UserError
+from mlc_spec.serve import bench
 from mlc_spec.serve.bench import (
     Job,
     add_arguments,
@@ -49,6 +50,22 @@ def test_bench_serve_refuses_unknown_settings(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--repeats", "0"])
     assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_each_replica_count_is_a_server_of_its_own(monkeypatch):
+    """``--replicas 1 2 --threads-per-replica 1``: one plain server with one thread, and one
+    command starting two one-thread replicas behind the router, per setting."""
+    started = []
+    monkeypatch.setattr(bench, "launched_server", lambda cmd, env: started.append((cmd, env)))
+    cli = argparse.ArgumentParser()
+    add_arguments(cli)
+    args = cli.parse_args(["--speculative", "none", "--replicas", "1", "2"])
+    args.threads_per_replica = 1
+    labels = [label for label, _ in bench.servers(args)]
+    assert labels == ["off, 1 replica x 1 thread", "off, 2 replicas x 1 thread"]
+    (one, env), (two, no_env) = started
+    assert "--replicas" not in one and env["TVM_NUM_THREADS"] == "1"
+    assert two[-4:] == ["--replicas", "2", "--threads-per-replica", "1"] and no_env is None
 
 
 def test_bench_serve_sweep(tiny_llama, tmp_path):
