@@ -4,18 +4,18 @@ as shipped, on the CPU: the decision, and a compile that takes it."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
 from mlc_spec.compiler import activations_default
+from mlc_spec.compiler import compile as compile_module
 from mlc_spec.compiler.activations_default import Int8Fidelity
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.options import CompileOptions, default_activations
 from mlc_spec.compiler.sources import sha256_files
 from mlc_spec.compiler.targets import make_target
-from mlc_spec.runtime.artifact import CONFIG_FILE
+from mlc_spec.runtime.artifact import read_config
 
 FAITHFUL = Int8Fidelity("faithful", int8_kl=0.001, llamacpp_kl=0.002)
 UNFAITHFUL = Int8Fidelity("unfaithful", int8_kl=0.003, llamacpp_kl=0.002)
@@ -37,11 +37,27 @@ def test_int8_only_where_measured_faithful(measured):
     assert default_activations("a" * 64, "as-source", make_target("cuda")) == "float"
 
 
+class _Written(Exception):
+    pass
+
+
 def test_a_compile_takes_the_default(tiny_gguf_int8, monkeypatch, tmp_path):
+    """The options compile_model writes the artifact with (stopped there: the kernels' compile
+    is tested elsewhere), and nothing is left behind."""
     gguf = tiny_gguf_int8.parent / "tiny.gguf"
     monkeypatch.setattr(activations_default, "MEASURED", {sha256_files([gguf]): FAITHFUL})
-    chosen = compile_model(gguf, "llvm", tmp_path / "default", show_progress=False)
-    assert json.loads((chosen / CONFIG_FILE).read_text())["activations"] == "int8"
+    written = []
+
+    def write(*args):
+        written.append(next(a for a in args if isinstance(a, CompileOptions)))
+        raise _Written
+
+    monkeypatch.setattr(compile_module, "_write_artifact", write)
+    with pytest.raises(_Written):
+        compile_model(gguf, "llvm", tmp_path / "default", show_progress=False)
+    assert [o.activations for o in written] == ["int8"]
+    assert not any(tmp_path.iterdir())
+    assert read_config(tiny_gguf_int8)["activations"] == "int8"  # a whole compile of the file
 
 
 def test_a_given_choice_wins(measured):
