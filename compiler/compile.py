@@ -145,7 +145,7 @@ def _write_artifact(
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
             kernels.enter_context(flashinfer.jit_build(options.cuda_arch))
         ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
-    ir_module = attach_sampler(ir_module, cfg.vocab_size)
+    ir_module = attach_sampler(ir_module, cfg.vocab_size, cpu=target == "llvm")
     link_options = None
     if module.extern_mods:
         ir_module = ir_module.with_attr("external_mods", module.extern_mods)

@@ -15,6 +15,11 @@ request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
     the same, with top-k (ties at the k-th value kept; ``top_k <= 0`` or ``>= V``: off) and then
     top-p (the smallest set of most probable tokens reaching ``top_p``, ties ordered by lower
     token id, the top token always kept), renormalised.
+``probs_from_logits_top_candidates(logits, temperature, top_k, top_p)`` (CPU artifacts)
+    ``(probs, fits)``: the same probabilities, bit for bit, for rows whose top-k set lies within
+    their ``TOP_CANDIDATES`` largest logits (``fits[i]`` 1; greedy rows always fit), found
+    without a sort (``cpu_top_k``); the runtime calls it when every sampled row has
+    ``0 < top_k <= TOP_CANDIDATES`` and falls back to the sort where a row does not fit.
 ``sample_from_probs(probs, uniforms)``
     inverse-CDF sampling scaled by each row's own total; a zero-probability token is never
     returned.
@@ -34,9 +39,10 @@ import tvm
 from tvm import relax as rx
 from tvm import te, tirx, topi
 
-from mlc_spec.runtime.artifact import SAMPLER_FUNCTIONS
+from mlc_spec.runtime.artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
 
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
+(PROBS_TOP_CANDIDATES,) = CPU_SAMPLER_FUNCTIONS
 
 F32, I32 = "float32", "int32"
 _ZERO = tirx.const(0, F32)
@@ -44,16 +50,20 @@ _ZERO = tirx.const(0, F32)
 _EXP_FLOOR = tirx.const(-87.0, F32)
 
 
-def attach_sampler(mod: tvm.IRModule, vocab_size: int | None = None) -> tvm.IRModule:
+def attach_sampler(
+    mod: tvm.IRModule, vocab_size: int | None = None, cpu: bool = False
+) -> tvm.IRModule:
     """``mod`` plus the sampling functions (an empty module gives them alone), for a vocabulary
-    of ``vocab_size`` tokens (any size with ``None``). A known size lets the CPU schedules
-    vectorise the row loops."""
+    of ``vocab_size`` tokens (any size with ``None``), and for a ``cpu`` target the CPU ones
+    (``CPU_SAMPLER_FUNCTIONS``). A known size lets the CPU schedules vectorise the row loops."""
     bb = rx.BlockBuilder(mod)
     v = vocab_size
     for add in (_add_argmax, _add_probs, _add_probs_top_kp, _add_sample):
         add(bb, v)
     _add_verify(bb, v, VERIFY_SAMPLED, sampled_draft=True)
     _add_verify(bb, v, VERIFY_POINT, sampled_draft=False)
+    if cpu:
+        _add_probs_top_candidates(bb, v)
     return bb.finalize()
 
 
@@ -78,6 +88,17 @@ def _add_probs_top_kp(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
         _arg("top_p", [n], F32),
     ]
     _function(bb, PROBS_TOP_KP, params, lambda: _top_kp(bb, *params))
+
+
+def _add_probs_top_candidates(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v = _sizes("n", vocab_size)
+    params = [
+        _arg("logits", [n, v], F32),
+        _arg("temperature", [n], F32),
+        _arg("top_k", [n], I32),
+        _arg("top_p", [n], F32),
+    ]
+    _function(bb, PROBS_TOP_CANDIDATES, params, lambda: _top_candidates(bb, n, v, *params))
 
 
 def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
@@ -191,8 +212,35 @@ def _top_kp(
     """One stable descending argsort serves both cuts: top-k reads the k-th value, top-p the
     cumulative mass in that order."""
     x = _te(bb, _scaled, logits, temperature)
-    e = _te(bb, _row_exp, x)
     order = bb.emit(rx.op.argsort(x, axis=1, descending=True, dtype=I32))
+    return _cut(bb, logits, x, order, temperature, top_k, top_p)
+
+
+def _top_candidates(
+    bb: rx.BlockBuilder,
+    n: tirx.PrimExpr,
+    v: tirx.PrimExpr,
+    logits: rx.Var,
+    temperature: rx.Var,
+    top_k: rx.Var,
+    top_p: rx.Var,
+) -> rx.Expr:
+    """``_top_kp`` over the first ``TOP_CANDIDATES`` places of the order, found without a sort.
+    Where the top-k set lies within them, every place after it holds zero mass in the full
+    order, so the cumulative sums, the top-p cut and the kept tokens are the same values."""
+    from .cpu_top_k import top_candidates  # noqa: PLC0415 - its TVMScript needs the vocab
+
+    x = _te(bb, _scaled, logits, temperature)
+    kernel = bb.add_func(top_candidates(v), "top_candidates")
+    order = bb.emit(rx.call_tir(kernel, [x], rx.TensorType([n, TOP_CANDIDATES], I32)))
+    probs = _cut(bb, logits, x, order, temperature, top_k, top_p)
+    return rx.Tuple([probs, _te(bb, _fits, x, order, temperature, top_k)])
+
+
+def _cut(bb, logits, x, order, temperature, top_k, top_p) -> rx.Var:
+    """Top-k and top-p with ``order``: a stable descending argsort of ``x``, whole or its first
+    places (-1 past the row's end)."""
+    e = _te(bb, _row_exp, x)
     sorted_exp = _te(bb, _sorted_exp, x, e, order, temperature, top_k)
     cdf = bb.emit(rx.op.cumsum(sorted_exp, axis=1))
     return _te(bb, _kept_probs, logits, x, e, order, temperature, top_k, top_p, cdf)
@@ -201,26 +249,45 @@ def _top_kp(
 def _kth(x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor) -> te.Tensor:
     """Each row's k-th largest scaled logit, or the lowest float where top-k is off."""
     n, v = x.shape
+    width = order.shape[1]
 
     def kth(i):
         on = tirx.all(top_k[i] > 0, top_k[i] < _i32(v), temperature[i] != 0)
-        col = tirx.max(tirx.min(top_k[i] - 1, _i32(v) - 1), 0)
-        return tirx.Select(on, x[i, order[i, col]], tirx.min_value(F32))
+        col = tirx.max(tirx.min(top_k[i] - 1, _i32(width) - 1), 0)
+        return tirx.Select(on, x[i, tirx.max(order[i, col], 0)], tirx.min_value(F32))
 
     return te.compute((n,), kth, name="kth")
+
+
+def _fits(x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor) -> te.Tensor:
+    """1 where the row's top-k set lies within ``order``'s places: greedy rows, rows that order
+    whole, and rows whose last place holds a value below the k-th (every value not placed is
+    at most it); 0 elsewhere (top-k off or beyond the places, or ties at the k-th value
+    running past them)."""
+    n, width = order.shape
+    kth = _kth(x, order, temperature, top_k)
+
+    def fits(i):
+        last = order[i, width - 1]
+        on = tirx.all(top_k[i] > 0, top_k[i] <= _i32(width), top_k[i] < _i32(x.shape[1]))
+        within = tirx.any(last < 0, x[i, tirx.max(last, 0)] < kth[i])
+        return tirx.Select(tirx.any(temperature[i] == 0, tirx.all(on, within)), 1, 0)
+
+    return te.compute((n,), lambda i: _i32(fits(i)), name="fits")
 
 
 def _sorted_exp(
     x: te.Tensor, e: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor
 ) -> te.Tensor:
-    """``exp(x - max)`` in descending order, zero below the k-th value."""
+    """``exp(x - max)`` in descending order, zero below the k-th value (and past the row)."""
     kth = _kth(x, order, temperature, top_k)
 
     def value(i, j):
         t = order[i, j]
-        return tirx.Select(x[i, t] >= kth[i], e[i, t], _ZERO)
+        safe = tirx.max(t, 0)
+        return tirx.Select(tirx.all(t >= 0, x[i, safe] >= kth[i]), e[i, safe], _ZERO)
 
-    return te.compute(x.shape, value, name="sorted_exp")
+    return te.compute(order.shape, value, name="sorted_exp")
 
 
 def _kept_probs(
@@ -239,18 +306,19 @@ def _kept_probs(
     of length ``L``. In token order that prefix is every token above the cut value ``x[cut]``
     plus, at the cut value, the tokens with ids up to the cut's own (the sort is stable)."""
     n, v = x.shape
+    width = order.shape[1]
     kth = _kth(x, order, temperature, top_k)
-    j = te.reduce_axis((0, v), name="j")
+    j = te.reduce_axis((0, width), name="j")
 
     def num_kept(i):
         before = cdf[i, tirx.max(j.var - 1, 0)]
-        keep = tirx.any(j.var == 0, before < top_p[i] * cdf[i, v - 1])
+        keep = tirx.any(j.var == 0, before < top_p[i] * cdf[i, width - 1])
         return te.sum(tirx.Select(keep, 1, 0), axis=j)
 
     length = te.compute((n,), num_kept, name="num_kept")
 
     def kept_exp(i, t):
-        value, cut = x[i, t], order[i, tirx.max(length[i], 1) - 1]
+        value, cut = x[i, t], tirx.max(order[i, tirx.max(length[i], 1) - 1], 0)
         use_p = tirx.all(top_p[i] < 1, temperature[i] != 0)
         in_p = tirx.any(tirx.Not(use_p), value > x[i, cut], tirx.all(value == x[i, cut], t <= cut))
         keep = tirx.all(value >= kth[i], in_p)

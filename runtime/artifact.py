@@ -34,6 +34,10 @@ SAMPLER_FUNCTIONS = (
     "verify_sampled_draft",
     "verify_point_draft",
 )
+# CPU artifacts also have top-k without a sort: exact where each row's top-k set lies within
+# its TOP_CANDIDATES largest logits (it says so per row; the runtime falls back otherwise).
+CPU_SAMPLER_FUNCTIONS = ("probs_from_logits_top_candidates",)
+TOP_CANDIDATES = 128
 MODEL_FUNCTIONS = ("prefill", "decode", "evaluate_multi_query")
 # How the model functions reach their KV cache: "pages", a page pool and page tables passed in
 # (CPU artifacts; ``runtime/kv_cache.py`` keeps the tables), or "tvm", TVM's KV cache object,
@@ -44,7 +48,8 @@ KV_CACHES = ("pages", "tvm")
 def functions(kv_cache: str) -> tuple[str, ...]:
     """The functions an artifact with this kind of KV cache exports, in order."""
     creates = ("create_paged_kv_cache",) if kv_cache == "tvm" else ()
-    return (*MODEL_FUNCTIONS, *creates, *SAMPLER_FUNCTIONS)
+    cpu = CPU_SAMPLER_FUNCTIONS if kv_cache == "pages" else ()
+    return (*MODEL_FUNCTIONS, *creates, *SAMPLER_FUNCTIONS, *cpu)
 
 
 # Storage dtypes of parameters: float weights, and the codes and scales of quantized ones

@@ -16,10 +16,11 @@ import numpy as np
 import tvm
 import tvm.runtime
 
-from .artifact import SAMPLER_FUNCTIONS
+from .artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
 from .params import SamplingParams
 
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
+(PROBS_TOP_CANDIDATES,) = CPU_SAMPLER_FUNCTIONS
 
 # Uniforms travel as float32, where a float64 draw just below 1 rounds up to 1: clamp below it.
 _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
@@ -59,15 +60,26 @@ class Sampler:
         self, logits: tvm.runtime.Tensor, params: Sequence[SamplingParams]
     ) -> tvm.runtime.Tensor:
         """The distribution each row samples from, on the device ``[N, V]``: temperature, then
-        top-k and top-p (sorting only when some sampled row uses them); greedy rows one-hot."""
+        top-k and top-p (sorting only when some sampled row uses them, and not even then where
+        every sampled row's top-k is small and the artifact can do without); greedy rows
+        one-hot."""
         vocab = logits.shape[1]
         temperature = self._put([p.temperature for p in params], np.float32)
-        cut = any(not p.greedy and (0 < p.top_k < vocab or p.top_p < 1) for p in params)
-        if not cut:
+        sampled = [p for p in params if not p.greedy]
+        if not any(0 < p.top_k < vocab or p.top_p < 1 for p in sampled):
             return self._fn[PROBS](logits, temperature)
-        top_k = self._put([p.top_k for p in params], np.int32)
-        top_p = self._put([p.top_p for p in params], np.float32)
-        return self._fn[PROBS_TOP_KP](logits, temperature, top_k, top_p)
+        args = (
+            logits,
+            temperature,
+            self._put([p.top_k for p in params], np.int32),
+            self._put([p.top_p for p in params], np.float32),
+        )
+        small = all(0 < p.top_k <= TOP_CANDIDATES and p.top_k < vocab for p in sampled)
+        if small and PROBS_TOP_CANDIDATES in self._fn:
+            probs, fits = self._fn[PROBS_TOP_CANDIDATES](*args)
+            if fits.numpy().all():  # else ties at a k-th value run past the candidates
+                return probs
+        return self._fn[PROBS_TOP_KP](*args)
 
     def sample(self, probs: tvm.runtime.Tensor, uniforms: np.ndarray) -> np.ndarray:
         """Inverse-CDF samples, one per row with its own uniform in [0, 1), int64."""

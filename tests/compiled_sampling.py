@@ -11,7 +11,7 @@ from tvm.runtime.vm import VirtualMachine
 from mlc_spec.compiler.pipeline import relax_pipeline
 from mlc_spec.compiler.sampler import attach_sampler
 from mlc_spec.compiler.targets import make_target
-from mlc_spec.runtime.artifact import SAMPLER_FUNCTIONS
+from mlc_spec.runtime.artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS
 from mlc_spec.runtime.params import SamplingParams
 from mlc_spec.runtime.sampler import DraftProbs, Sampler
 
@@ -19,7 +19,7 @@ from mlc_spec.runtime.sampler import DraftProbs, Sampler
 def compile_sampler(target: str = "llvm", vocab_size: int | None = None) -> tvm.runtime.Executable:
     tvm_target = make_target(target)
     return tvm.compile(
-        attach_sampler(tvm.IRModule(), vocab_size),
+        attach_sampler(tvm.IRModule(), vocab_size, cpu=target == "llvm"),
         target=tvm_target,
         relax_pipeline=relax_pipeline(tvm_target, "float32"),
     )
@@ -27,7 +27,8 @@ def compile_sampler(target: str = "llvm", vocab_size: int | None = None) -> tvm.
 
 def cpu_sampler(vocab_size: int | None = None) -> Sampler:
     vm = VirtualMachine(compile_sampler("llvm", vocab_size), tvm.cpu())
-    return Sampler({name: vm[name] for name in SAMPLER_FUNCTIONS}, tvm.cpu())
+    names = (*SAMPLER_FUNCTIONS, *CPU_SAMPLER_FUNCTIONS)
+    return Sampler({name: vm[name] for name in names}, tvm.cpu())
 
 
 class CompiledSampling:
