@@ -37,7 +37,9 @@ def section(results: dict, load, args: argparse.Namespace) -> str:
         f"- Load: {args.conversations} conversations per level and server of 2 to "
         f"{args.max_turns} user turns (ShareGPT, each at most 1500 characters), a request per "
         f"turn with the whole history; greedy, {args.max_tokens} tokens per answer, streamed; "
-        f"batch 8, 8192 tokens of KV cache; {args.repeats} repeats interleaved",
+        f"batch {args.max_batch_size}, {args.max_total_len} tokens of KV cache (room for every "
+        f"conversation at C=16, so no request waits for a batch slot); {args.repeats} repeats "
+        "interleaved",
         "",
         "| C | requests | TTFT turns >= 2 p50 / p99 ms, cache | without | p50 ratio "
         "| prompt tokens found in the cache | output tok/s, cache / without |",
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-total-len", type=int, default=32768)
     parser.add_argument("--write", help="replace this benchmark's section of this page")
     args = parser.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
@@ -80,6 +84,8 @@ def main() -> None:
     argv += ["--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens)]
     argv += ["--concurrency", *map(str, CONCURRENCY), "--repeats", str(args.repeats)]
     argv += ["--min-requests", str(args.conversations), "--rounds", "1"]
+    argv += ["--max-batch-size", str(args.max_batch_size)]
+    argv += ["--max-total-len", str(args.max_total_len)]
     argv += ["--output-dir", str(SCRATCH / "prefix-cache")]
     results = bench.bench(cli.parse_args(argv))
     text = section(results, load, args)

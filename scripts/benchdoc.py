@@ -119,6 +119,12 @@ HEADLINE = (
         "`python scripts/bench_long_prompt.py --write docs/benchmarks.md`",
     ),
     Group(
+        "The README's first run: install, fetch, compile, answer",
+        rf"bench_first_run{_CPU}",
+        1,
+        "`python scripts/bench_first_run.py --write docs/benchmarks.md`",
+    ),
+    Group(
         "Replicas behind sglang-router against one server",
         rf"bench_router{_CPU}",
         1,
