@@ -42,10 +42,12 @@ def timed(command: str, cwd: Path, env: dict[str, str]) -> tuple[float, str]:
     return seconds, proc.stdout + proc.stderr
 
 
-def stats(log: str) -> str:
-    """The generate line, or what is missing."""
+def stats(log: str) -> re.Match:
+    """generate's last line, parsed."""
     found = [m for m in map(STATS.match, log.splitlines()) if m]
-    return found[-1][0] if found else "(no stats line)"
+    if not found:
+        raise SystemExit(f"no stats line in generate's output:\n{log[-3000:]}")
+    return found[-1]
 
 
 def main() -> None:
