@@ -87,16 +87,18 @@ DRAFT_OPTIONS = {"quantization": "q4", "lm_head": "q4", "lm_head_vocab": 100_000
 
 def compiled_with_draft(name: str, show_progress: bool = True) -> tuple[Path, Path | None]:
     """The artifacts of PyPI model ``name`` and of the model that drafts for it (None where it
-    has none), compiled on first use on their fastest lossless path: int8 activations for the
-    draft where the CPU has an integer dot product."""
+    has none), compiled on first use on their fastest lossless path."""
     target = compiled(name, show_progress=show_progress)
     draft = MODELS[name].draft
-    if draft is None:
-        return target, None
+    return target, None if draft is None else compiled_draft(draft, show_progress)
+
+
+def compiled_draft(name: str, show_progress: bool = True) -> Path:
+    """PyPI model ``name`` compiled to draft (``DRAFT_OPTIONS``), with int8 activations where
+    the CPU has an integer dot product."""
     try:
         integer_dot(make_target("llvm"))
         activations = "int8"
     except CompileError:
         activations = "float"
-    options = {**DRAFT_OPTIONS, "activations": activations}
-    return target, compiled(draft, show_progress=show_progress, **options)
+    return compiled(name, show_progress=show_progress, activations=activations, **DRAFT_OPTIONS)

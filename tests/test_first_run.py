@@ -122,8 +122,14 @@ def test_a_model_name_brings_its_draft(tiny_llama, tiny_llama_draft, monkeypatch
     built.clear()
     assert main([*argv, "--speculative", "ngram"]) == 0
     assert [name for name, _ in built] == [target]
-    assert main([*argv, "--model", "no-such-model"]) == 1
-    assert "smollm2-135m-instruct" in capsys.readouterr().err.splitlines()[-1]
+    built.clear()
+    assert main([*argv, "--model", "smollm2-135m-instruct", "--draft-model", draft]) == 0
+    assert [name for name, _ in built] == ["smollm2-135m-instruct", draft]  # a named draft
+    assert built[1][1]["lm_head"] == "q4"  # compiled to draft
+    assert "speculation: draft" in capsys.readouterr().err
+    for flag in ("--model", "--draft-model"):
+        assert main([*argv, flag, "no-such-model"]) == 1
+        assert "smollm2-135m-instruct" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_no_fast_mode_gather_reaches_tvm(tiny_llama, tiny_qwen2):

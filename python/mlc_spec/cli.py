@@ -40,29 +40,35 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None, dict | None]:
     directory or the name of a model from PyPI (fetched and compiled for this CPU on first use,
     then cached); a named model's own draft drafts for it unless ``--draft-model`` or
     ``--speculative`` says otherwise."""
-    model, draft = args.model or DEFAULT_MODEL, args.draft_model
-    method = args.speculative
+    model, draft, method = args.model or DEFAULT_MODEL, args.draft_model, args.speculative
     if not Path(model).exists():
         from mlc_spec.compiler.cache import compiled, compiled_with_draft
-        from mlc_spec.compiler.pypi_models import MODELS
-        from mlc_spec.errors import UserError
 
-        if model not in MODELS:
-            raise UserError(
-                f"--model {model}: no such artifact directory, and not a model from PyPI "
-                f"({', '.join(MODELS)})"
-            )
+        name = _pypi_name("--model", model)
         if draft is None and method in (None, "draft"):
-            model, draft = compiled_with_draft(model)
+            model, draft = compiled_with_draft(name)
         else:
-            model = compiled(model)
+            model = compiled(name)
     if draft is not None and not Path(draft).exists():
-        from mlc_spec.compiler.cache import compiled
+        from mlc_spec.compiler.cache import compiled_draft
 
-        draft = compiled(draft)
+        draft = compiled_draft(_pypi_name("--draft-model", draft))
     if method is None:
         method = "draft" if draft is not None else "ngram"
     return Path(model), draft, _speculative(method, args)
+
+
+def _pypi_name(flag: str, name: str) -> str:
+    """``name``, where it names a model from PyPI; one error line otherwise."""
+    from mlc_spec.compiler.pypi_models import MODELS
+    from mlc_spec.errors import UserError
+
+    if name not in MODELS:
+        raise UserError(
+            f"{flag} {name}: no such artifact directory, and not a model from PyPI "
+            f"({', '.join(MODELS)})"
+        )
+    return name
 
 
 def _generate(args: argparse.Namespace) -> None:
