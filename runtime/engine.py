@@ -68,6 +68,7 @@ __all__ = ["Engine", "EngineConfig"]
 @dataclasses.dataclass
 class PrefillResult:
     first: list[tuple[Sequence, int, Rows]]  # (sequence, first token, its logits row)
+    seconds: float = 0.0  # the pass and the sampling of the first tokens
 
 
 @dataclasses.dataclass
@@ -123,6 +124,8 @@ class Engine:
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.proposer, self.speculative = proposer, speculative
         self.max_k = speculative.max_speculative_tokens if speculative else 0
+        if config.chunk_time_ratio is not None and not config.chunk_time_ratio > 0:
+            raise UserError(f"chunk_time_ratio must be above 0, got {config.chunk_time_ratio}")
         if config.max_num_batched_tokens < 1:
             raise UserError(
                 f"max_num_batched_tokens must be at least 1, got {config.max_num_batched_tokens}"
@@ -331,6 +334,7 @@ class Engine:
         """Run a prefill pass; requests whose prompt it completes sample their first tokens,
         each sample of ``n > 1`` from the prompt's KV pages, shared through
         ``fork_sequence``."""
+        started = time.perf_counter()
         with self.timers("prefill"):
             if work.restored:
                 self.target.evaluate_multi_query(
@@ -338,7 +342,7 @@ class Engine:
                 )
                 release_pooled_buffers()
             if not work.fresh:
-                return PrefillResult([])
+                return PrefillResult([], time.perf_counter() - started)
             logits = self.target.prefill(
                 self.kv, [s.seq_id for s, _ in work.fresh], [t for _, t in work.fresh]
             )
@@ -352,7 +356,7 @@ class Engine:
             seqs += parent.request.sequences
             rows += [row] * len(parent.request.sequences)
         if not seqs:
-            return PrefillResult([])
+            return PrefillResult([], time.perf_counter() - started)
         with self.timers("sample"):
             tokens = self.target.sampler.sample_logits(
                 take(logits, rows),
@@ -363,11 +367,14 @@ class Engine:
             [
                 (s, int(t), Rows(logits, r, r + 1))
                 for s, t, r in zip(seqs, tokens, rows, strict=True)
-            ]
+            ],
+            time.perf_counter() - started,
         )
 
     # ---- commit ------------------------------------------------------------------------
     def _commit_prefill(self, work: PrefillWork, result: PrefillResult) -> list[Emitted]:
+        if result.seconds:  # a pass of its own (not a chunk inside a decode step)
+            self.scheduler.prefill_ran(work, result.seconds)
         self.scheduler.prefilled(work)
         committed = []
         for seq, token, row in result.first:
@@ -456,6 +463,8 @@ class Engine:
         """Apply a step's outcome to the sequences it advanced. A sequence stopped by a string
         after this step was launched is skipped: its tokens are discarded and the pages they
         took go with it (``_commit_all`` frees it next)."""
+        if not result.num_draft.any():
+            self.scheduler.plain_step_ran(plan, result.target_seconds)
         if plan.chunk is not None:
             self._commit_prefill(plan.chunk, PrefillResult([]))
         live = [i for i, s in enumerate(plan.seqs) if not s.finished]

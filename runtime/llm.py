@@ -29,6 +29,7 @@ class LLM:
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
         max_num_batched_tokens: int = 64,
+        chunk_time_ratio: float | None = 1.0,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
     ):
@@ -40,6 +41,7 @@ class LLM:
             max_total_len,
             prefill_chunk_size,
             max_num_batched_tokens=max_num_batched_tokens,
+            chunk_time_ratio=chunk_time_ratio,
             async_scheduling=async_scheduling,
             enable_prefix_caching=enable_prefix_caching,
         )

@@ -138,6 +138,11 @@ class EngineConfig:
     # a step while a 2,000-token prompt is prefilled (512: ~45x; 16: ~2.6x, the prompt's first
     # token ~1.6x later than with 512; docs/benchmarks.md).
     max_num_batched_tokens: int = 64
+    # ... and in time: a chunk predicted to take at most this multiple of the decoding rows'
+    # plain step (both measured in this process, runtime/prefill_costs.py), so their steps
+    # take at most about (1 + this) times as long while a long prompt is prefilled, whatever
+    # its context; at least MIN_TIMED_CHUNK tokens, so prompts still advance. None: tokens only.
+    chunk_time_ratio: float | None = 1.0
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).
     enable_prefix_caching: bool = True

@@ -29,9 +29,17 @@ from .kv_cache import PagedKVCache
 from .metrics import SpeculationLog, StepRecord
 from .model import chunk_rounds
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
+from .prefill_costs import PrefillCosts
 from .proposers import Proposer
 from .request import Request, Sequence, Status
-from .speculation import AcceptanceEstimator, Candidate, GoodputPolicy, StepCosts, StepShape
+from .speculation import (
+    AcceptanceEstimator,
+    Candidate,
+    CostTable,
+    GoodputPolicy,
+    StepCosts,
+    StepShape,
+)
 
 # Pages a sequence may need beyond ``pages(its tokens)``. After ``fork_sequence`` a sample writes
 # its tokens into pages of its own while its parent's last, partly filled prompt page stays shared,
@@ -42,6 +50,9 @@ FORK_PAGE_SLACK = 1
 FIRST_STEP_PAGES = 1
 # What a sequence may need beyond ``pages(its tokens)`` from admission to its end.
 SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
+# The smallest chunk a time budget leaves a prompt beside decoding rows: deep into a very long
+# prompt a token can cost a fifth of a step, and the prompt must still finish.
+MIN_TIMED_CHUNK = 8
 
 
 def pages(num_tokens: int, page_size: int) -> int:
@@ -61,6 +72,10 @@ class PrefillWork:
     @property
     def seqs(self) -> list[Sequence]:
         return [s for s, _ in self.restored + self.fresh]
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """``(context, tokens)`` of each sequence's chunk, before it is committed."""
+        return [(s.kv_len, len(t)) for s, t in self.restored + self.fresh]
 
     def in_cache(self) -> PrefillWork | None:
         """Without the sequences preempted since it was planned (``None`` if that is all)."""
@@ -124,6 +139,9 @@ class Scheduler:
         self.costs = costs
         self.policy = GoodputPolicy()
         self.speculation_log = SpeculationLog()
+        # What the chunk budget in time learns from: plain steps by rows, prefill passes.
+        self.plain_steps = CostTable()
+        self.prefill_costs = PrefillCosts()
         # Counters a server reports.
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache as sequences enter
@@ -276,12 +294,19 @@ class Scheduler:
         """Prompt tokens this step's prefill pass may take: a whole pass's worth with nothing
         decoding, else the step's token budget less a token per decoding sequence (their drafts
         are chosen later; the budget bounds the prefill, not the verify pass), at least a page
-        so prompts always advance."""
+        so prompts always advance; and no more than ``chunk_time_ratio`` times the decoding
+        rows' plain step is predicted to hold, at the first waiting prompt's context."""
         decoding = len(self._decoding())
         if not decoding:
             return self.config.prefill_chunk_size
         budget = self.config.max_num_batched_tokens - decoding
-        return min(self.config.prefill_chunk_size, max(self.page_size, budget))
+        budget = min(self.config.prefill_chunk_size, max(self.page_size, budget))
+        ratio, plain = self.config.chunk_time_ratio, self.plain_steps.predict(decoding)
+        prefilling = self._prefilling()
+        if ratio is None or plain is None or not prefilling:
+            return budget
+        most = self.prefill_costs.most_tokens(prefilling[0].kv_len, ratio * plain)
+        return budget if most is None else min(budget, max(MIN_TIMED_CHUNK, most))
 
     def _plan_prefill(self, budget: int) -> PrefillWork | None:
         """The next prefill pass: up to ``budget`` pending prompt (or history) tokens, first
@@ -298,6 +323,21 @@ class Scheduler:
             fresh,
             [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
         )
+
+    def prefill_ran(self, work: PrefillWork, seconds: float) -> None:
+        """A prefill pass's measured time, before its commit."""
+        self.prefill_costs.observe(work.chunks(), seconds)
+
+    def plain_step_ran(self, plan: StepPlan, seconds: float) -> None:
+        """A step that drafted nothing, before its commit: its pass's time by rows, or, with a
+        chunk in it, what the chunk added to that."""
+        rows = len(plan.seqs)
+        if plan.chunk is None:
+            self.plain_steps.observe(rows, seconds)
+            return
+        plain = self.plain_steps.predict(rows)
+        if plain is not None:
+            self.prefill_costs.observe(plan.chunk.chunks(), seconds - plain)
 
     def prefilled(self, work: PrefillWork) -> None:
         """A prefill pass ran: its sequences' KV grew, and each finished prompt (or history)

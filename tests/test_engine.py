@@ -11,6 +11,9 @@ from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.errors import UserError
+from mlc_spec.runtime.prefill_costs import PrefillCosts
+from mlc_spec.runtime.scheduler import MIN_TIMED_CHUNK
+from mlc_spec.runtime.speculation import CostTable
 
 PROMPTS = [[5, 9, 14, 3, 77], list(range(40, 75)), [200, 201, 202] * 4]
 
@@ -140,7 +143,12 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [PROMPTS[0], PROMPTS[1], long_prompt]
     expected = LLM(tiny_llama.artifact).generate(prompts, params)
-    llm = LLM(tiny_llama.artifact, max_num_batched_tokens=24, prefill_chunk_size=64)
+    llm = LLM(
+        tiny_llama.artifact,
+        max_num_batched_tokens=24,
+        prefill_chunk_size=64,
+        chunk_time_ratio=None,  # tokens only: chunk sizes that no timing moves
+    )
     passes, prefill = [], llm.model.prefill
 
     def counted(kv, seq_ids, tokens):
@@ -175,6 +183,47 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
     llm.generate([list(np.random.default_rng(5).integers(3, VOCAB, 200))], params)
     assert passes == [64, 64, 64, 8]  # nothing decoding: whole passes
     _no_leak(llm)
+
+
+def test_a_chunk_is_also_bounded_in_time(tiny_llama):
+    """With a time ratio the chunk beside decoding rows is what the measured costs say fits in
+    that multiple of their plain step, at the waiting prompt's context (never fewer than
+    MIN_TIMED_CHUNK tokens); outputs are those of whole-prompt passes."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    long_prompt = list(np.random.default_rng(6).integers(3, VOCAB, 200))
+    llm = LLM(tiny_llama.artifact, max_num_batched_tokens=64, chunk_time_ratio=1.0)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
+    while not all(s.prefilled for r in streams for s in r.sequences):
+        engine.step()
+    engine.step()  # a plain step of the two streams: measured by rows
+    late = engine.add_request(long_prompt, params)
+    engine.step()  # admitted, its first chunk computed in the streams' pass: measured too
+    assert scheduler.plain_steps.predict(2) is not None and scheduler.prefill_costs.fit()
+    # Costs as measured on a slow machine: 10 ms a plain step of 2 rows, a prompt token
+    # 0.3 ms plus 1 us per token of context.
+    scheduler.plain_steps = CostTable({2: 0.010})
+    scheduler.prefill_costs = PrefillCosts()
+    for context, tokens in ((0, 64), (64, 64), (1000, 32), (3000, 16)):
+        cost = tokens * (3e-4 + 1e-6 * (context + tokens / 2))
+        scheduler.prefill_costs.observe([(context, tokens)], cost)
+    context = late.sequences[0].kv_len
+    most = scheduler.prefill_costs.most_tokens(context, 0.010)
+    assert scheduler._chunk_budget() == min(62, max(MIN_TIMED_CHUNK, most)) < 62
+    scheduler.config = dataclasses.replace(scheduler.config, chunk_time_ratio=None)
+    assert scheduler._chunk_budget() == 62  # 64 less the two streams' tokens
+    scheduler.config = dataclasses.replace(scheduler.config, chunk_time_ratio=1.0)
+    while engine.has_unfinished():
+        engine.step()
+    whole = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1], long_prompt], params)
+    for request, want in zip((*streams, late), whole, strict=True):
+        got = request.output(delta=False).outputs[0]
+        assert got.token_ids == want.outputs[0].token_ids
+        assert np.array_equal(
+            [t.logprob for t in got.logprobs], [t.logprob for t in want.outputs[0].logprobs]
+        )
+    with pytest.raises(UserError, match="chunk_time_ratio must be above 0"):
+        LLM(tiny_llama.artifact, chunk_time_ratio=0)
 
 
 def test_stream_increments_add_up(tiny_llama):

@@ -33,7 +33,9 @@ def test_a_step_runs_its_plan(tiny_llama):
     """A prompt alone gets a whole pass and no decode rows; a prompt that shares whole pages
     with it starts from them; a prompt arriving while two streams decode rides in their plain
     step's pass, within the token budget less a token per stream."""
-    llm = LLM(tiny_llama.artifact, max_num_batched_tokens=24, prefill_chunk_size=64)
+    llm = LLM(
+        tiny_llama.artifact, max_num_batched_tokens=24, prefill_chunk_size=64, chunk_time_ratio=None
+    )
     engine, plans = llm.engine, _recording(llm)
     rng = np.random.default_rng(0)
     first = [int(t) for t in rng.integers(3, VOCAB, 40)]

@@ -144,6 +144,7 @@ def _serve(args: argparse.Namespace) -> None:
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        chunk_time_ratio=args.chunk_time_ratio or None,
     )
     asked = args.model or DEFAULT_MODEL  # a PyPI name is served under that name
     name = args.served_model_name or (Path(model).name if Path(asked).exists() else asked)
@@ -370,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens a step takes while requests decode: one per decoding request, the rest "
         "for the next chunk of a waiting prompt, computed in the same pass, so a long prompt "
         "stalls no stream for long; larger: the prompt's first token sooner (default 64)",
+    )
+    p.add_argument(
+        "--chunk-time-ratio",
+        type=float,
+        default=1.0,
+        help="and in time: a chunk predicted (from this server's measured passes) to take at "
+        "most this multiple of the decoding requests' plain step, at any context (default 1: "
+        "their steps take at most about twice as long); 0: tokens only",
     )
     p.add_argument(
         "--replicas",
