@@ -88,7 +88,7 @@ def main() -> None:
         "--settings",
         type=setting,
         nargs="+",
-        default=[DEFAULT, "64:0", "512:0"],
+        default=[DEFAULT, "64:1", "64:0", "512:0"],
         help="--max-num-batched-tokens[:--chunk-time-ratio] per server",
     )
     parser.add_argument("--repeats", type=int, default=3)
