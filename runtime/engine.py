@@ -68,7 +68,6 @@ __all__ = ["Engine", "EngineConfig"]
 @dataclasses.dataclass
 class PrefillResult:
     first: list[tuple[Sequence, int, Rows]]  # (sequence, first token, its logits row)
-    seconds: float = 0.0  # the pass and the sampling of the first tokens
 
 
 @dataclasses.dataclass
@@ -334,7 +333,6 @@ class Engine:
         """Run a prefill pass; requests whose prompt it completes sample their first tokens,
         each sample of ``n > 1`` from the prompt's KV pages, shared through
         ``fork_sequence``."""
-        started = time.perf_counter()
         with self.timers("prefill"):
             if work.restored:
                 self.target.evaluate_multi_query(
@@ -342,7 +340,7 @@ class Engine:
                 )
                 release_pooled_buffers()
             if not work.fresh:
-                return PrefillResult([], time.perf_counter() - started)
+                return PrefillResult([])
             logits = self.target.prefill(
                 self.kv, [s.seq_id for s, _ in work.fresh], [t for _, t in work.fresh]
             )
@@ -356,7 +354,7 @@ class Engine:
             seqs += parent.request.sequences
             rows += [row] * len(parent.request.sequences)
         if not seqs:
-            return PrefillResult([], time.perf_counter() - started)
+            return PrefillResult([])
         with self.timers("sample"):
             tokens = self.target.sampler.sample_logits(
                 take(logits, rows),
@@ -367,14 +365,11 @@ class Engine:
             [
                 (s, int(t), Rows(logits, r, r + 1))
                 for s, t, r in zip(seqs, tokens, rows, strict=True)
-            ],
-            time.perf_counter() - started,
+            ]
         )
 
     # ---- commit ------------------------------------------------------------------------
     def _commit_prefill(self, work: PrefillWork, result: PrefillResult) -> list[Emitted]:
-        if result.seconds:  # a pass of its own (not a chunk inside a decode step)
-            self.scheduler.prefill_ran(work, result.seconds)
         self.scheduler.prefilled(work)
         committed = []
         for seq, token, row in result.first:

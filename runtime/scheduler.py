@@ -139,7 +139,8 @@ class Scheduler:
         self.costs = costs
         self.policy = GoodputPolicy()
         self.speculation_log = SpeculationLog()
-        # What the chunk budget in time learns from: plain steps by rows, prefill passes.
+        # What the chunk budget in time learns from: plain steps by rows, and what a chunk in
+        # a plain step's pass added to it.
         self.plain_steps = CostTable()
         self.prefill_costs = PrefillCosts()
         # Counters a server reports.
@@ -323,10 +324,6 @@ class Scheduler:
             fresh,
             [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
         )
-
-    def prefill_ran(self, work: PrefillWork, seconds: float) -> None:
-        """A prefill pass's measured time, before its commit."""
-        self.prefill_costs.observe(work.chunks(), seconds)
 
     def plain_step_ran(self, plan: StepPlan, seconds: float) -> None:
         """A step that drafted nothing, before its commit: its pass's time by rows, or, with a
