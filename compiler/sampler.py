@@ -80,25 +80,25 @@ def _add_probs(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
 
 
 def _add_probs_top_kp(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
-    n, v = _sizes("n", vocab_size)
-    params = [
-        _arg("logits", [n, v], F32),
-        _arg("temperature", [n], F32),
-        _arg("top_k", [n], I32),
-        _arg("top_p", [n], F32),
-    ]
+    params = _cut_params(vocab_size)
     _function(bb, PROBS_TOP_KP, params, lambda: _top_kp(bb, *params))
 
 
 def _add_probs_top_candidates(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    params = _cut_params(vocab_size)
+    n, v = params[0].ty.shape
+    _function(bb, PROBS_TOP_CANDIDATES, params, lambda: _top_candidates(bb, n, v, *params))
+
+
+def _cut_params(vocab_size: int | None) -> list[rx.Var]:
+    """logits [n, V], and each row's temperature, top_k and top_p."""
     n, v = _sizes("n", vocab_size)
-    params = [
+    return [
         _arg("logits", [n, v], F32),
         _arg("temperature", [n], F32),
         _arg("top_k", [n], I32),
         _arg("top_p", [n], F32),
     ]
-    _function(bb, PROBS_TOP_CANDIDATES, params, lambda: _top_candidates(bb, n, v, *params))
 
 
 def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
