@@ -38,7 +38,7 @@ class PrefillCosts:
 
     def observe(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
         u, v = features(chunks)
-        if u <= 0 or seconds <= 0:
+        if u <= 0 or seconds <= 0:  # a step's noise outweighed its chunk: nothing to learn
             return
         keep = 1 - NEW_WEIGHT
         self._uu = keep * self._uu + u * u
