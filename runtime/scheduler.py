@@ -35,7 +35,6 @@ from .request import Request, Sequence, Status
 from .speculation import (
     AcceptanceEstimator,
     Candidate,
-    CostTable,
     GoodputPolicy,
     StepCosts,
     StepShape,
@@ -139,9 +138,8 @@ class Scheduler:
         self.costs = costs
         self.policy = GoodputPolicy()
         self.speculation_log = SpeculationLog()
-        # What the chunk budget in time learns from: plain steps by rows, and what a chunk in
-        # a plain step's pass added to it.
-        self.plain_steps = CostTable()
+        # What a chunk in a plain step's pass added to it, for the chunk budget in time (which
+        # reads plain steps by rows from ``costs.decode``).
         self.prefill_costs = PrefillCosts()
         # Counters a server reports.
         self.num_preemptions = 0
@@ -302,7 +300,7 @@ class Scheduler:
             return self.config.prefill_chunk_size
         budget = self.config.max_num_batched_tokens - decoding
         budget = min(self.config.prefill_chunk_size, max(self.page_size, budget))
-        ratio, plain = self.config.chunk_time_ratio, self.plain_steps.predict(decoding)
+        ratio, plain = self.config.chunk_time_ratio, self.costs.decode.predict(decoding)
         prefilling = self._prefilling()
         if ratio is None or plain is None or not prefilling:
             return budget
@@ -326,13 +324,14 @@ class Scheduler:
         )
 
     def plain_step_ran(self, plan: StepPlan, seconds: float) -> None:
-        """A step that drafted nothing, before its commit: its pass's time by rows, or, with a
-        chunk in it, what the chunk added to that."""
+        """A step that drafted nothing, before its commit: its pass's time by rows (the policy's
+        decode table, with or without a proposer), or, with a chunk in it, what the chunk added
+        to that."""
         rows = len(plan.seqs)
         if plan.chunk is None:
-            self.plain_steps.observe(rows, seconds)
+            self.costs.decode.observe(rows, seconds)
             return
-        plain = self.plain_steps.predict(rows)
+        plain = self.costs.decode.predict(rows)
         if plain is not None:
             self.prefill_costs.observe(plan.chunk.chunks(), seconds - plain)
 
@@ -456,7 +455,8 @@ class Scheduler:
     ) -> None:
         """Feed a step's measured times to the cost model and the decision log."""
         rows, drafted = len(plan.seqs), sum(num_draft)
-        self.costs.observe_target(rows, rows + drafted, target_seconds)
+        if drafted:  # a plain step's pass was observed by ``plain_step_ran``
+            self.costs.observe_target(rows, rows + drafted, target_seconds)
         self.costs.per_row.observe((seconds - draft_seconds - target_seconds) / rows)
         names = [
             s.request.request_id if s.params.n == 1 else f"{s.request.request_id}/{s.index}"

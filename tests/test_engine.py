@@ -199,10 +199,10 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     engine.step()  # a plain step of the two streams: measured by rows
     late = engine.add_request(long_prompt, params)
     engine.step()  # admitted, its first chunk computed in the streams' pass: measured too
-    assert scheduler.plain_steps.predict(2) is not None and scheduler.prefill_costs.fit()
+    assert scheduler.costs.decode.predict(2) is not None and scheduler.prefill_costs.fit()
     # Costs as measured on a slow machine: 10 ms a plain step of 2 rows, a prompt token
     # 0.3 ms plus 1 us per token of context.
-    scheduler.plain_steps = CostTable({2: 0.010})
+    scheduler.costs.decode = CostTable({2: 0.010})
     scheduler.prefill_costs = PrefillCosts()
     for context, tokens in ((0, 64), (64, 64), (1000, 32), (3000, 16)):
         cost = tokens * (3e-4 + 1e-6 * (context + tokens / 2))
