@@ -18,9 +18,7 @@ import tvm
 from mlc_spec.runtime.artifact import FORMAT_VERSION
 
 from .compile import compile_model
-from .errors import CompileError
-from .int8_matmul import integer_dot
-from .options import CompileOptions, default_activations
+from .options import CompileOptions, default_activations, fastest_activations
 from .pypi_models import MODELS, default_cache_dir, fetch
 from .targets import make_target
 
@@ -96,9 +94,5 @@ def compiled_with_draft(name: str, show_progress: bool = True) -> tuple[Path, Pa
 def compiled_draft(name: str, show_progress: bool = True) -> Path:
     """PyPI model ``name`` compiled to draft (``DRAFT_OPTIONS``), with int8 activations where
     the CPU has an integer dot product."""
-    try:
-        integer_dot(make_target("llvm"))
-        activations = "int8"
-    except CompileError:
-        activations = "float"
+    activations = fastest_activations(make_target("llvm"))
     return compiled(name, show_progress=show_progress, activations=activations, **DRAFT_OPTIONS)

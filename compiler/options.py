@@ -119,6 +119,11 @@ def default_activations(source_hash: str, quantization: str, tvm_target: Target)
         return "float"
     if not int8_by_default(source_hash):
         return "float"
+    return fastest_activations(tvm_target)
+
+
+def fastest_activations(tvm_target: Target) -> str:
+    """int8 where ``tvm_target``'s CPU has an integer dot product (VNNI or AVX2), else float."""
     try:
         integer_dot(tvm_target)
     except CompileError:

@@ -13,8 +13,12 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlc_spec.compiler.targets import ATTENTION
+
+if TYPE_CHECKING:
+    from mlc_spec.runtime.params import SamplingParams
 
 
 def _compile(args: argparse.Namespace) -> None:
@@ -108,7 +112,7 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
-def _sampling_line(params) -> str:
+def _sampling_line(params: SamplingParams) -> str:
     if params.greedy:
         return "greedy"
     return f"temperature {params.temperature:g}, top_p {params.top_p:g}, top_k {params.top_k}"
