@@ -545,8 +545,8 @@ class Engine:
     # ---- metrics ------------------------------------------------------------------------
     def metrics(self) -> dict:
         """Engine-wide speculation counters, seconds and calls per phase, the prefix cache's
-        tokens looked up and found, and the speculation policy's decisions with the
-        measurements behind them."""
+        tokens looked up and found, the speculation policy's decisions with the measurements
+        behind them, and what the proposer reports (its caches)."""
         return {
             **self.stats.to_dict(),
             "seconds": dict(self.timers.seconds),
@@ -556,4 +556,5 @@ class Engine:
                 "hit_tokens": self.scheduler.prefix_cache_hits,
             },
             "speculation": self.scheduler.speculation_metrics(),
+            **(self.proposer.metrics() if self.proposer else {}),
         }

@@ -76,20 +76,32 @@ DEFAULT_MAX_SPECULATIVE_TOKENS = 6
 
 @dataclasses.dataclass
 class SpeculativeConfig:
-    """How drafts are proposed: ``draft`` (a small model, ``LLM(draft_model=...)``) or
-    ``ngram`` (prompt lookup). ``num_speculative_tokens`` is what requests that do not set their
-    own get: ``"auto"`` (chosen per request and step from measured goodput) or a fixed k (0: off
-    unless a request asks). ``max_speculative_tokens`` caps every request's k."""
+    """How drafts are proposed: ``draft`` (a small model, ``LLM(draft_model=...)``), ``ngram``
+    (prompt lookup) or ``suffix`` (suffix trees over the request and earlier requests' outputs,
+    with vLLM's ``suffix_decoding_*`` settings). ``num_speculative_tokens`` is what requests that
+    do not set their own get: ``"auto"`` (chosen per request and step from measured goodput) or
+    a fixed k (0: off unless a request asks). ``max_speculative_tokens`` caps every request's k."""
 
-    method: Literal["draft", "ngram"]
+    method: Literal["draft", "ngram", "suffix"]
     num_speculative_tokens: int | Literal["auto"] = "auto"
     max_speculative_tokens: int | None = None  # default: max(k, 6)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    # Longest string a suffix tree holds: a match of m tokens drafts at most depth - m. A tree
+    # takes up to ~60 bytes x depth per token it indexes (less where text repeats).
+    suffix_decoding_max_tree_depth: int = 32
+    # Drafts at most this many times the matched suffix's length ...
+    suffix_decoding_max_spec_factor: float = 1.0
+    # ... and while the draft's estimated chance (the product of branch frequencies) holds.
+    suffix_decoding_min_token_prob: float = 0.1
+    # Memory for earlier requests' outputs; least recently used ones are evicted past it.
+    suffix_decoding_cache_mb: float = 256.0
 
     def __post_init__(self) -> None:
-        if self.method not in ("draft", "ngram"):
-            raise ParamsError(f"unknown speculative method {self.method!r} (draft or ngram)")
+        if self.method not in ("draft", "ngram", "suffix"):
+            raise ParamsError(
+                f"unknown speculative method {self.method!r} (draft, ngram or suffix)"
+            )
         k = self.num_speculative_tokens
         if k != "auto" and not (isinstance(k, int) and k >= 0):
             raise ParamsError(f"num_speculative_tokens must be 'auto' or an int >= 0, got {k!r}")
@@ -106,6 +118,14 @@ class SpeculativeConfig:
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ParamsError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not 2 <= self.suffix_decoding_max_tree_depth <= 1024:
+            raise ParamsError("suffix_decoding_max_tree_depth must be in [2, 1024]")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ParamsError("suffix_decoding_max_spec_factor must be above 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ParamsError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if not self.suffix_decoding_cache_mb >= 0:
+            raise ParamsError("suffix_decoding_cache_mb must be >= 0 (0: no shared cache)")
 
     @property
     def auto(self) -> bool:

@@ -125,6 +125,12 @@ HEADLINE = (
         "`python scripts/bench_first_run.py --write docs/benchmarks.md`",
     ),
     Group(
+        "Suffix decoding in the server: edits sent twice, HumanEval, ShareGPT",
+        rf"bench_suffix{_CPU}",
+        1,
+        "`python scripts/bench_suffix.py --write docs/benchmarks.md`",
+    ),
+    Group(
         "Replicas behind sglang-router against one server",
         rf"bench_router{_CPU}",
         1,

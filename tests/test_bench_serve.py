@@ -43,6 +43,16 @@ def test_prompt_sources():
     assert len(chats) == 5 and all(2 <= len(j.turns) <= 3 and all(j.turns) for j in chats)
 
 
+def test_edits_are_sent_twice_and_each_level_gets_jobs_of_its_own():
+    edits = [j.payload["messages"][0]["content"] for j in mixed_jobs("editing", 5, start=3)]
+    assert edits[3:] == edits[:2] and len(set(edits)) == 3  # firsts, then their copies
+    assert "def " in edits[0] and "type hints" in edits[0]
+    later = [j.payload["messages"][0]["content"] for j in mixed_jobs("editing", 4, start=8)]
+    assert not set(later) & set(edits)
+    code = [j.payload["prompt"] for j in mixed_jobs("humaneval", 3, start=2)]
+    assert code == [j.payload["prompt"] for j in humaneval_jobs()[2:5]]
+
+
 def test_bench_serve_refuses_unknown_settings(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--speculative", "ngram:many"])
@@ -71,10 +81,10 @@ def test_each_replica_count_is_a_server_of_its_own(monkeypatch):
 def test_bench_serve_sweep(tiny_llama, tmp_path):
     argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--concurrency", "1", "3"]
     argv += ["--max-tokens", "4", "--min-requests", "3", "--rounds", "1", "--repeats", "2"]
-    argv += ["--speculative", "none", "ngram", "ngram:auto"]
+    argv += ["--speculative", "none", "ngram", "suffix:auto"]
     assert main([*argv, "--output-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert list(results["settings"]) == ["off", "ngram k=4", "ngram k=auto"]
+    assert list(results["settings"]) == ["off", "ngram k=4", "suffix k=auto"]
     for rows in results["settings"].values():
         assert [r["concurrency"] for r in rows] == [1, 3]
         assert all(r["completed"] == r["requests"] == 6 for r in rows), rows  # 3 per repeat
@@ -87,11 +97,11 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
     # Each level loads every server in turn: the last server's first level comes before the
     # first server's second; the second repeat starts with the second server.
     started = {label: [r["started"] for r in rows] for label, rows in results["settings"].items()}
-    assert started["ngram k=auto"][0][0] < started["off"][1][0]
-    assert started["ngram k=4"][0][1] < started["ngram k=auto"][0][1] < started["off"][0][1]
+    assert started["suffix k=auto"][0][0] < started["off"][1][0]
+    assert started["ngram k=4"][0][1] < started["suffix k=auto"][0][1] < started["off"][0][1]
     # The policy's predicted and measured step times, from the server's /stats.
     assert all(r["policy"] is None for r in results["settings"]["off"])
-    policy = results["settings"]["ngram k=auto"][0]["policy"]
+    policy = results["settings"]["suffix k=auto"][0]["policy"]
     assert policy["steps"] > 0 and policy["predicted_ms"] > 0 and policy["measured_ms"] > 0
     assert policy["emitted_tokens"] >= 1 and policy["expected_tokens"] >= 1
     table = (tmp_path / "results.md").read_text()

@@ -52,6 +52,21 @@ def test_ngram_is_lossless(target, reference, k):
     assert llm.metrics()["num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("k", [2, 5, "auto"])
+def test_suffix_is_lossless_and_drafts_from_earlier_outputs(target, reference, k):
+    llm = LLM(target.artifact, speculative={"method": "suffix", "num_speculative_tokens": k})
+    assert _token_ids(llm, _prompts()) == reference
+    first = llm.metrics()
+    assert first["suffix_cache"]["documents"] == len(reference)
+    # The same requests again: each answer is drafted from its earlier copy, and still equal.
+    assert _token_ids(llm, _prompts()) == reference
+    again = llm.metrics()
+    accepted = again["num_accepted_tokens"] - first["num_accepted_tokens"]
+    assert accepted > first["num_accepted_tokens"]
+    assert again["suffix_cache"]["documents"] == len(reference)  # equal answers: not twice
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
 def test_draft_equal_to_target_accepts_everything(target, reference):
     llm = LLM(
         target.artifact,

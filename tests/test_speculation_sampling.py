@@ -88,7 +88,8 @@ def _llm(pair, method: str) -> LLM:
     )
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+# Suffix drafts also come from earlier samples' outputs (the shared cache): still point masses.
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_speculative_sampling_matches_target_distribution(pair, method, name):
     llm = _llm(pair, method)

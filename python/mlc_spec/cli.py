@@ -199,8 +199,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=["none", "ngram", "draft"],
-        help="default: draft where there is a draft model, else ngram (prompt lookup)",
+        choices=["none", "ngram", "suffix", "draft"],
+        help="default: draft where there is a draft model, else ngram (prompt lookup); suffix: "
+        "suffix trees over the prompt and earlier requests' outputs",
     )
     p.add_argument(
         "-k",

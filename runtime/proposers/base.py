@@ -48,6 +48,10 @@ class Proposer(abc.ABC):
         """Tokens a draft model reads for ``seq`` before drafting (none without a model)."""
         return 0
 
+    def metrics(self) -> dict:
+        """What the proposer reports beside the engine's counters (its caches' sizes)."""
+        return {}
+
     @abc.abstractmethod
     def warm_up(self, max_rows: int) -> None:
         """Measure ``costs`` for batches of up to ``max_rows`` before the first request."""

@@ -13,6 +13,7 @@ from ..tokenizer import Tokenizer
 from .base import Proposer
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
+from .suffix import SuffixProposer
 
 
 def build_proposer(
@@ -30,6 +31,13 @@ def build_proposer(
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        return SuffixProposer(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob,
+            int(spec.suffix_decoding_cache_mb * 2**20),
+        )
     draft = Model(draft_model)
     _check_same_vocabulary(draft, Tokenizer(draft_model), target, tokenizer)
     return DraftModelProposer(

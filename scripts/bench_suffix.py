@@ -1,0 +1,125 @@
+"""Suffix decoding in the server: ``mlc-spec bench serve`` on an editing workload (HumanEval
+solutions given back to add type hints and a docstring, each request sent twice, as agents
+send context again), HumanEval and ShareGPT, with no speculation, automatic prompt lookup and
+automatic suffix decoding, every server loaded in turn at each concurrency. Written to
+docs/benchmarks.md with the goals' verdicts: suffix >= 1.5x no speculation and >= 1.2x prompt
+lookup on the editing workload; automatic speculation >= 1.0x no speculation in every cell.
+
+    python scripts/bench_suffix.py [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+from benchdoc import SCRATCH, cpu_class, machine_context, start_load, verdict, write_section
+
+from mlc_spec.compiler.cache import compiled
+from mlc_spec.serve import bench
+
+DATASETS = ("editing", "humaneval", "sharegpt")
+CONCURRENCY = (1, 4, 16)
+NONE, NGRAM, SUFFIX = "off", "ngram k=auto", "suffix k=auto"
+
+
+def _ratio(settings: dict, a: str, b: str, level: int) -> tuple[float, str]:
+    """The median of the repeats' throughput ratios a / b at a level, and their range: the two
+    ran minutes apart at most, under the same host."""
+    paired = np.divide(
+        settings[a][level]["output_throughput_by_repeat"],
+        settings[b][level]["output_throughput_by_repeat"],
+    )
+    spread = f" [{paired.min():.2f}-{paired.max():.2f}]" if len(paired) > 1 else ""
+    return float(np.median(paired)), spread
+
+
+def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
+    settings0 = next(iter(results.values()))["settings"]
+    lines = [
+        f"### SmolLM2-135M-Instruct, int8 activations, `{cpu_class()}`",
+        "",
+        *machine_context(load, "mlc-spec serve", "2 everywhere"),
+        f"- Load: max({args.min_requests}, {args.rounds} x concurrency) requests per level and "
+        f"server, each level's jobs unseen before it, {args.repeats} repeats interleaved (tok/s: "
+        f"the median repeat's); greedy, {args.max_tokens} tokens per answer (EOS ignored), "
+        f"streamed; batch {args.max_batch_size}, {args.max_total_len} tokens of KV cache, prefix "
+        "cache on; at most 6 drafts per step",
+        "",
+        "| dataset | server | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |",
+        "|---|---|" + "---:|" * len(CONCURRENCY),
+    ]
+    for dataset, res in results.items():
+        for label, rows in res["settings"].items():
+            cells = [
+                f"{r['output_throughput']:.0f} · {100 * (r.get('acceptance_rate') or 0):.0f}%"
+                if label != NONE
+                else f"{r['output_throughput']:.0f}"
+                for r in rows
+            ]
+            lines.append(f"| {dataset} | {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: output tok/s · draft acceptance."]
+    over_none, over_ngram, autos = [], [], []
+    for dataset, res in results.items():
+        s = res["settings"]
+        for i, c in enumerate(CONCURRENCY):
+            for auto in (NGRAM, SUFFIX):
+                autos.append((f"{dataset} C={c} {auto}", *_ratio(s, auto, NONE, i)))
+            if dataset == "editing":
+                over_none.append((f"C={c}", *_ratio(s, SUFFIX, NONE, i)))
+                over_ngram.append((f"C={c}", *_ratio(s, SUFFIX, NGRAM, i)))
+
+    def listed(rows: list[tuple[str, float, str]]) -> str:
+        return ", ".join(f"{name} {r:.2f}x{spread}" for name, r, spread in rows)
+
+    lines += [
+        "",
+        "Ratios: the median of the repeats' ratios [their range].",
+        "",
+        "- Editing: suffix >= 1.5x no speculation: "
+        f"{verdict(all(r >= 1.5 for _, r, _ in over_none), load)} ({listed(over_none)})",
+        "- Editing: suffix >= 1.2x prompt lookup: "
+        f"{verdict(all(r >= 1.2 for _, r, _ in over_ngram), load)} ({listed(over_ngram)})",
+        "- Automatic speculation >= 1.0x no speculation in every cell: "
+        f"{verdict(all(r >= 1.0 for _, r, _ in autos), load)} ({listed(autos)})",
+    ]
+    assert list(settings0) == [NONE, NGRAM, SUFFIX], list(settings0)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2, help="sweeps, interleaved")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-total-len", type=int, default=16384)
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument("--write", type=Path, help="replace this benchmark's section of this page")
+    args = parser.parse_args()
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    model = compiled("smollm2-135m-instruct", activations="int8")
+    load = start_load()
+    results = {}
+    for dataset in args.datasets:
+        cli = argparse.ArgumentParser()
+        bench.add_arguments(cli)
+        argv = ["--model", str(model), "--speculative", "none", "ngram:auto", "suffix:auto"]
+        argv += ["--dataset", dataset, "--concurrency", *map(str, CONCURRENCY)]
+        argv += ["--rounds", str(args.rounds), "--min-requests", str(args.min_requests)]
+        argv += ["--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens)]
+        argv += ["--max-batch-size", str(args.max_batch_size)]
+        argv += ["--max-total-len", str(args.max_total_len)]
+        argv += ["--output-dir", str(SCRATCH / f"suffix-{dataset}")]
+        results[dataset] = bench.bench(cli.parse_args(argv))
+    text = section(results, load, args)
+    print(text)
+    if args.write:
+        write_section(args.write, f"bench_suffix-{cpu_class()}", text)
+
+
+if __name__ == "__main__":
+    main()
