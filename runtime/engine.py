@@ -59,7 +59,7 @@ from .scheduler import (
     pages,
 )
 from .speculation import CostTable, DraftCosts, StepCosts
-from .speculation.warm_up import record, sizes, time_passes
+from .speculation.warm_up import attention_cost, record, sizes, time_passes
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig"]
@@ -166,13 +166,16 @@ class Engine:
     def _warm_up(self) -> None:
         """Measure the costs the policy needs before the first request: the target's decode of
         1..B rows, its verify of 1..B(K+1) tokens of one sequence (``sizes`` of them; see
-        ``StepCosts`` for how other shapes are priced), and the proposer's passes."""
+        ``StepCosts`` for how other shapes are priced), what attending over a longer context
+        adds, and the proposer's passes."""
         rows, width = self.config.max_batch_size, self.max_k + 1
         decodes = [[1] * r for r in sizes(1, rows)]
         verifies = [[n] for n in sizes(1, rows * width)]
         costs = self.scheduler.costs
         record(costs.decode, map(len, decodes), self._time("decode", decodes))
         record(costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
+        chunk = self.config.prefill_chunk_size
+        costs.attention = attention_cost(self.target, self.kv, rows, chunk) or 0.0
         self.proposer.warm_up(rows)
 
     def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:

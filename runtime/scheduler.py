@@ -38,6 +38,7 @@ from .speculation import (
     GoodputPolicy,
     StepCosts,
     StepShape,
+    beyond_reference,
 )
 
 # Pages a sequence may need beyond ``pages(its tokens)``. After ``fork_sequence`` a sample writes
@@ -97,6 +98,11 @@ class StepPlan:
     # A prompt chunk computed in this step's decode pass (a plain step only): one forward
     # reads the weights once for both.
     chunk: PrefillWork | None = None
+    contexts: list[int] = dataclasses.field(default_factory=list)  # KV tokens per sequence
+
+    def attended(self, num_draft: list[int]) -> int:
+        """``StepShape.attended`` of the target pass with ``num_draft`` drafts per sequence."""
+        return beyond_reference(self.contexts, [k + 1 for k in num_draft])
 
 
 Work = PrefillWork | StepPlan
@@ -294,17 +300,24 @@ class Scheduler:
         decoding, else the step's token budget less a token per decoding sequence (their drafts
         are chosen later; the budget bounds the prefill, not the verify pass), at least a page
         so prompts always advance; and no more than ``chunk_time_ratio`` times the decoding
-        rows' plain step is predicted to hold, at the first waiting prompt's context."""
-        decoding = len(self._decoding())
+        rows' plain step (at their contexts) per waiting prompt is predicted to hold, at the
+        first waiting prompt's context."""
+        decoding = self._decoding()
         if not decoding:
             return self.config.prefill_chunk_size
-        budget = self.config.max_num_batched_tokens - decoding
+        budget = self.config.max_num_batched_tokens - len(decoding)
         budget = min(self.config.prefill_chunk_size, max(self.page_size, budget))
-        ratio, plain = self.config.chunk_time_ratio, self.costs.decode.predict(decoding)
+        ratio = self.config.chunk_time_ratio
+        plain = self.costs.plain(len(decoding), beyond_reference([s.kv_len for s in decoding]))
         prefilling = self._prefilling()
         if ratio is None or plain is None or not prefilling:
             return budget
-        most = self.prefill_costs.most_tokens(prefilling[0].kv_len, ratio * plain)
+        # Each waiting prompt may add the ratio's time: a prompt at a time would cap the batch.
+        # At 8 tokens a step a 150-token prompt takes ~19 steps, so a closed loop of 16
+        # clients with 128-token answers kept ~7 rows decoding (SmolLM2 int8: 0.85x the
+        # throughput of a token budget alone, and TTFT 2.8x); one prompt waiting is as before.
+        allowance = len(prefilling) * ratio * plain
+        most = self.prefill_costs.most_tokens(prefilling[0].kv_len, allowance)
         return budget if most is None else min(budget, max(MIN_TIMED_CHUNK, most))
 
     def _plan_prefill(self, budget: int) -> PrefillWork | None:
@@ -327,11 +340,11 @@ class Scheduler:
         """A step that drafted nothing, before its commit: its pass's time by rows (the policy's
         decode table, with or without a proposer), or, with a chunk in it, what the chunk added
         to that."""
-        rows = len(plan.seqs)
+        rows, attended = len(plan.seqs), plan.attended([0] * len(plan.seqs))
         if plan.chunk is None:
-            self.costs.decode.observe(rows, seconds)
+            self.costs.observe_target(rows, rows, seconds, attended)
             return
-        plain = self.costs.decode.predict(rows)
+        plain = self.costs.plain(rows, attended)
         if plain is not None:
             self.prefill_costs.observe(plan.chunk.chunks(), seconds - plain)
 
@@ -366,12 +379,15 @@ class Scheduler:
             if need <= self.kv.available_pages() or len(self.running) <= 1:
                 break
             preempted.append(self._preempt_newest())
+        contexts = [s.kv_len for s in seqs]
         if not seqs or self.proposer is None:
-            return StepPlan(seqs, [0] * len(seqs), [], None, len(seqs)), preempted
+            plan = StepPlan(seqs, [0] * len(seqs), [], None, len(seqs), contexts=contexts)
+            return plan, preempted
         estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
         if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
-            plain = self.costs.predict(StepShape(len(seqs)))
-            return StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs)), preempted
+            plain = self.costs.predict(StepShape(len(seqs), attended=beyond_reference(contexts)))
+            plan = StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs), contexts=contexts)
+            return plan, preempted
         batch = []
         for seq, cap, estimate in zip(seqs, caps, estimates, strict=True):
             automatic = self.pinned_k(seq.params) is None
@@ -385,6 +401,7 @@ class Scheduler:
                     acceptance=estimate,
                     catch_up=self.proposer.catch_up(seq) if most else 0,
                     tokens_left=seq.tokens_left,
+                    context=seq.kv_len,
                 )
             )
         decision = self.policy.choose(batch, self.costs, self.acceptance.calibration())
@@ -394,6 +411,7 @@ class Scheduler:
             estimates,
             decision.predicted_seconds,
             decision.expected_tokens,
+            contexts=contexts,
         )
         return plan, preempted
 
@@ -456,7 +474,8 @@ class Scheduler:
         """Feed a step's measured times to the cost model and the decision log."""
         rows, drafted = len(plan.seqs), sum(num_draft)
         if drafted:  # a plain step's pass was observed by ``plain_step_ran``
-            self.costs.observe_target(rows, rows + drafted, target_seconds)
+            attended = plan.attended(num_draft)
+            self.costs.observe_target(rows, rows + drafted, target_seconds, attended)
         self.costs.per_row.observe((seconds - draft_seconds - target_seconds) / rows)
         names = [
             s.request.request_id if s.params.n == 1 else f"{s.request.request_id}/{s.index}"

@@ -141,8 +141,10 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference):
     assert (
         spec["costs"]["verify_one_sequence_by_tokens"] and spec["costs"]["draft_next_pass_by_rows"]
     )
-    # A prompt's catch-up by the draft was timed at load, not extrapolated from small passes.
+    # A prompt's catch-up by the draft was timed at load, not extrapolated from small passes;
+    # so was attending over a long context (8 rows of 512 tokens against 8 of 32).
     assert CATCH_UP_STRIDE in spec["costs"]["draft_first_pass_by_tokens"]
+    assert spec["costs"]["attention_per_context_token"] > 0
     assert spec["measured_seconds"] > 0 and spec["predicted_seconds"] > 0
     step = spec["recent"][-1]
     assert len(step["sequences"]) == len(step["num_draft"]) == len(step["acceptance"])
@@ -167,6 +169,23 @@ def test_bad_speculation_settings_are_rejected(tiny_llama):
         _llm(tiny_llama, "ngram", spec={"max_speculative_tokens": 0})
     with pytest.raises(UserError, match="prefill_chunk_size"):
         _llm(tiny_llama, "ngram", max_batch_size=16, prefill_chunk_size=64)
+    with pytest.raises(UserError, match="draft, ngram or suffix"):
+        _llm(tiny_llama, "tree")
+    for bad, match in (
+        ({"suffix_decoding_max_tree_depth": 1}, "max_tree_depth"),
+        ({"suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
+        ({"suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
+        ({"suffix_decoding_cache_mb": -1}, "cache_mb"),
+    ):
+        with pytest.raises(UserError, match=match):
+            _llm(tiny_llama, "suffix", spec=bad)
+
+
+def test_attention_is_not_timed_where_the_cache_cannot_hold_a_long_context(tiny_llama):
+    """8 rows of 64 tokens: too short to tell attention from noise; passes are then priced at
+    the contexts steps run at, as without a warm-up."""
+    llm = _llm(tiny_llama, "ngram", max_total_len=512, prefill_chunk_size=256)
+    assert llm.engine.scheduler.costs.attention == 0.0
 
 
 def test_generate_command_takes_a_per_request_k(tiny_llama, capsys):

@@ -187,18 +187,20 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
 
 def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     """With a time ratio the chunk beside decoding rows is what the measured costs say fits in
-    that multiple of their plain step, at the waiting prompt's context (never fewer than
-    MIN_TIMED_CHUNK tokens); outputs are those of whole-prompt passes."""
+    that multiple of their plain step for each prompt waiting, at the first waiting prompt's
+    context (never fewer than MIN_TIMED_CHUNK tokens); outputs are those of whole-prompt
+    passes."""
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
-    long_prompt = list(np.random.default_rng(6).integers(3, VOCAB, 200))
+    rng = np.random.default_rng(6)
+    long_prompts = [list(rng.integers(3, VOCAB, 200)) for _ in range(2)]
     llm = LLM(tiny_llama.artifact, max_num_batched_tokens=64, chunk_time_ratio=1.0)
     engine, scheduler = llm.engine, llm.engine.scheduler
     streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
     while not all(s.prefilled for r in streams for s in r.sequences):
         engine.step()
     engine.step()  # a plain step of the two streams: measured by rows
-    late = engine.add_request(long_prompt, params)
-    engine.step()  # admitted, its first chunk computed in the streams' pass: measured too
+    late, later = (engine.add_request(p, params) for p in long_prompts)
+    engine.step()  # admitted, the first chunk computed in the streams' pass: measured too
     assert scheduler.costs.decode.predict(2) is not None and scheduler.prefill_costs.fit()
     # Costs as measured on a slow machine: 10 ms a plain step of 2 rows, a prompt token
     # 0.3 ms plus 1 us per token of context.
@@ -208,6 +210,10 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
         cost = tokens * (3e-4 + 1e-6 * (context + tokens / 2))
         scheduler.prefill_costs.observe([(context, tokens)], cost)
     context = late.sequences[0].kv_len
+    # Two prompts wait: each may add the ratio's time, so a queue of prompts is not starved.
+    most = scheduler.prefill_costs.most_tokens(context, 2 * 0.010)
+    assert scheduler._chunk_budget() == min(62, max(MIN_TIMED_CHUNK, most))
+    engine.abort(later.request_id)
     most = scheduler.prefill_costs.most_tokens(context, 0.010)
     assert scheduler._chunk_budget() == min(62, max(MIN_TIMED_CHUNK, most)) < 62
     scheduler.config = dataclasses.replace(scheduler.config, chunk_time_ratio=None)
@@ -215,7 +221,7 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     scheduler.config = dataclasses.replace(scheduler.config, chunk_time_ratio=1.0)
     while engine.has_unfinished():
         engine.step()
-    whole = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1], long_prompt], params)
+    whole = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1], long_prompts[0]], params)
     for request, want in zip((*streams, late), whole, strict=True):
         got = request.output(delta=False).outputs[0]
         assert got.token_ids == want.outputs[0].token_ids

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mlc_spec.runtime.speculation import (
+    REFERENCE_CONTEXT,
     AcceptanceEstimator,
     Candidate,
     CostTable,
@@ -162,6 +163,30 @@ def test_prediction_adds_target_draft_and_rest():
     # A long catch-up (a prompt the draft has not read) enters the shape as a steady one; the
     # policy adds the rest (test_catch_up_is_paid_once_and_spread_over_the_tokens_left).
     assert StepShape.of([3, 2], [150, 1]).catch_up == 3
+
+
+def test_context_beyond_the_reference_is_priced_by_attention():
+    """Tables hold passes at the reference context; each token of a pass pays ``attention``
+    per token of context beyond it, so a step measured at a long context enters the tables at
+    the reference, and drafts for a sequence with a long context cost more."""
+    step = costs(lambda n: 0.010 + 0.001 * n, lambda n: 0.010 + 0.001 * n)
+    step.attention = 1e-6
+    long = REFERENCE_CONTEXT + 1000
+    shape = StepShape.of([2, 0], [1, 1], [long, REFERENCE_CONTEXT])
+    assert shape.attended == 3 * 1000  # the long sequence's pending token and its 2 drafts
+    assert step.predict(shape) == pytest.approx(0.010 + 0.001 * 4 + 0.003)
+    assert step.plain(2, 1000) == pytest.approx(0.012 + 0.001)
+    step.observe_target(2, 2, 0.014, attended=2000)  # 12 ms at the reference, as predicted
+    assert step.decode.predict(2) == pytest.approx(0.012)
+    # A draft costs 1 ms of matmul; at 3 us per token of context, attending 1000 tokens beyond
+    # adds 3 ms to each token. At 20% acceptance a draft pays at the reference context (0.2
+    # tokens more for 1 ms on 11) but not 1000 tokens past it (for 4 ms on 14).
+    step.attention = 3e-6
+    near, far = (
+        [Candidate(cap=1, pinned=None, acceptance=0.2, context=c)]
+        for c in (REFERENCE_CONTEXT, long)
+    )
+    assert choose(near, step) == [1] and choose(far, step) == [0]
 
 
 def test_catch_up_is_paid_once_and_spread_over_the_tokens_left():

@@ -2,10 +2,19 @@
 and estimated acceptance."""
 
 from .acceptance import AcceptanceEstimator
-from .costs import CostTable, DraftCosts, RunningMean, StepCosts, StepShape
+from .costs import (
+    REFERENCE_CONTEXT,
+    CostTable,
+    DraftCosts,
+    RunningMean,
+    StepCosts,
+    StepShape,
+    beyond_reference,
+)
 from .policy import Candidate, Decision, GoodputPolicy, expected_tokens
 
 __all__ = [
+    "REFERENCE_CONTEXT",
     "AcceptanceEstimator",
     "Candidate",
     "CostTable",
@@ -15,5 +24,6 @@ __all__ = [
     "RunningMean",
     "StepCosts",
     "StepShape",
+    "beyond_reference",
     "expected_tokens",
 ]

@@ -15,6 +15,11 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+# Context tokens each sequence holds in the load-time passes. Attention makes a pass dearer with
+# the context its tokens attend over (SmolLM2 int8, 16 rows on 2 cores: a decode step costs
+# 16.9 ms at 32 tokens of context each, 26.5 ms at 256 and 36.8 ms at 512), so the tables hold
+# passes at this context and ``StepCosts.attention`` prices each token's context beyond it.
+REFERENCE_CONTEXT = 32
 # Weight of a new measurement in a running mean: a change of load shows within ~5 steps, one
 # noisy step moves an estimate by a fifth of its error.
 NEW_WEIGHT = 0.2
@@ -77,30 +82,46 @@ STEADY_CATCH_UP = 2
 @dataclasses.dataclass
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
-    pass (at most ``STEADY_CATCH_UP`` per sequence), and ``drafting[j]``, how many sequences
-    draft a (j+1)-th token (``drafts`` in all)."""
+    pass (at most ``STEADY_CATCH_UP`` per sequence), ``drafting[j]``, how many sequences
+    draft a (j+1)-th token (``drafts`` in all), and ``attended``, the context the target pass's
+    tokens attend over beyond ``REFERENCE_CONTEXT`` each (below it: less than 0), summed."""
 
     rows: int
     catch_up: int = 0
     drafting: list[int] = dataclasses.field(default_factory=list)
     drafts: int = 0
+    attended: int = 0
 
-    def add_draft(self, k_before: int, catch_up: int) -> None:
-        """One more draft for a sequence that had ``k_before``."""
+    def add_draft(self, k_before: int, catch_up: int, context: int = REFERENCE_CONTEXT) -> None:
+        """One more draft for a sequence that had ``k_before`` and holds ``context`` tokens."""
         if k_before == 0:
             self.catch_up += min(catch_up, STEADY_CATCH_UP)
         if k_before == len(self.drafting):
             self.drafting.append(0)
         self.drafting[k_before] += 1
         self.drafts += 1
+        self.attended += context - REFERENCE_CONTEXT
 
     @classmethod
-    def of(cls, num_draft: Sequence[int], catch_up: Sequence[int]) -> StepShape:
-        shape = cls(len(num_draft))
-        for k, c in zip(num_draft, catch_up, strict=True):
+    def of(
+        cls,
+        num_draft: Sequence[int],
+        catch_up: Sequence[int],
+        contexts: Sequence[int] | None = None,
+    ) -> StepShape:
+        contexts = contexts or [REFERENCE_CONTEXT] * len(num_draft)
+        shape = cls(len(num_draft), attended=beyond_reference(contexts))
+        for k, c, context in zip(num_draft, catch_up, contexts, strict=True):
             for j in range(k):
-                shape.add_draft(j, c)
+                shape.add_draft(j, c, context)
         return shape
+
+
+def beyond_reference(contexts: Sequence[int], tokens: Sequence[int] | None = None) -> int:
+    """``StepShape.attended`` of a pass with ``tokens[i]`` tokens (default 1) of a sequence
+    holding ``contexts[i]``."""
+    tokens = tokens or [1] * len(contexts)
+    return sum(n * (c - REFERENCE_CONTEXT) for c, n in zip(contexts, tokens, strict=True))
 
 
 @dataclasses.dataclass
@@ -174,6 +195,10 @@ class StepCosts:
     verify: CostTable
     draft: DraftCosts
     per_row: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
+    # Seconds a pass's token pays per token of context beyond ``REFERENCE_CONTEXT`` (measured at
+    # load with automatic speculation; 0 otherwise, and the tables then hold passes at the
+    # contexts steps ran at).
+    attention: float = 0.0
     shapes: dict[int, dict[int, RunningMean]] = dataclasses.field(default_factory=dict)
     estimate_bias: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(1.0))
 
@@ -182,7 +207,14 @@ class StepCosts:
         draft = self.draft.predict(shape)
         if target is None or draft is None:
             return None
-        return target + draft + shape.rows * (self.per_row.value or 0.0)
+        rest = shape.rows * (self.per_row.value or 0.0)
+        return target + self.attention * shape.attended + draft + rest
+
+    def plain(self, rows: int, attended: int) -> float | None:
+        """A plain decode pass of ``rows`` sequences whose tokens attend ``attended`` beyond
+        the reference context (``StepShape.attended``)."""
+        decode = self.target(rows, rows)
+        return None if decode is None else decode + self.attention * attended
 
     def target(self, rows: int, tokens: int) -> float | None:
         """The target pass over ``rows`` sequences and ``tokens`` tokens (a decode where they
@@ -208,7 +240,9 @@ class StepCosts:
         whole, part = self.verify.predict(tokens), self.verify.predict(rows)
         return None if whole is None or part is None else whole - part
 
-    def observe_target(self, rows: int, tokens: int, seconds: float) -> None:
+    def observe_target(self, rows: int, tokens: int, seconds: float, attended: int = 0) -> None:
+        """A target pass's time, entered at the reference context."""
+        seconds -= self.attention * attended
         if tokens == rows:
             self.decode.observe(rows, seconds)
             return
@@ -234,4 +268,5 @@ class StepCosts:
             "propose_per_sequence": self.draft.per_sequence.value,
             "unrun_shape_bias": self.estimate_bias.value,
             "rest_per_row": self.per_row.value,
+            "attention_per_context_token": self.attention,
         }

@@ -22,7 +22,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from .costs import StepCosts, StepShape
+from .costs import REFERENCE_CONTEXT, StepCosts, StepShape
 
 # Most tokens a catch-up is spread over: a reply seldom runs to a large max_tokens, and a cost
 # spread over tokens that never come would be charged too little.
@@ -38,6 +38,7 @@ class Candidate:
     acceptance: float  # estimated alpha
     catch_up: int = 1  # tokens the draft model reads before its first draft
     tokens_left: int = HORIZON_TOKENS  # tokens the request may still emit
+    context: int = REFERENCE_CONTEXT  # tokens in its KV cache, which its tokens attend over
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ class GoodputPolicy:
             for c, k in zip(batch, num_draft, strict=True)
         ]
         drafting = [i for i, k in enumerate(num_draft) if k]
-        shape = StepShape.of(num_draft, catch_up)
+        shape = StepShape.of(num_draft, catch_up, [c.context for c in batch])
         tokens = sum(emitted)
         whole = sum(once[i] for i in drafting)  # paid in this step
         spread = sum(share[i] * emitted[i] for i in drafting)
@@ -93,7 +94,7 @@ class GoodputPolicy:
             if num_draft[i] == 0:  # starts drafting: its catch-up, and its one emitted token
                 whole += once[i]
                 spread += share[i]
-            shape.add_draft(num_draft[i], catch_up[i])
+            shape.add_draft(num_draft[i], catch_up[i], batch[i].context)
             num_draft[i] += 1
             tokens -= gain
             spread -= gain * share[i]

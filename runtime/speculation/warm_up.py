@@ -10,10 +10,11 @@ import numpy as np
 from ..kv_cache import PagedKVCache
 from ..model import Model
 from ..params import SamplingParams
-from .costs import CostTable
+from .costs import REFERENCE_CONTEXT, CostTable
 
-# Tokens each throwaway sequence holds before the timed passes: attention over a short prompt.
-CONTEXT_TOKENS = 32
+# Context that attention is timed at besides the reference: the tokens a served sequence holds
+# while it decodes, prompt and answer, is several hundred.
+LONG_CONTEXT = 512
 # Pass sizes timed at load time: every size up to FINE_SIZES (the small-batch matmul tiles make
 # each of them a step of its own), then every COARSE_STRIDE-th. An unmeasured size is charged
 # what the next measured one costs, and real steps time the sizes they run, so the coarse part
@@ -37,12 +38,14 @@ def time_passes(
     function: str,
     passes: Sequence[Sequence[int]],
     chunk_size: int,
+    context: int = REFERENCE_CONTEXT,
 ) -> list[float | None]:
     """Seconds of each pass of ``model.<function>`` (``decode``, ``prefill`` or
     ``evaluate_multi_query``) plus sampling from its logits, as a real step pays; ``passes[i]``
     lists the new tokens of each row. Runs on throwaway sequences in the empty cache, holding
-    ``CONTEXT_TOKENS`` each where the cache has room, removed afterwards; a pass the cache cannot
-    hold is not run (``None``). The fastest of ``SWEEPS`` sweeps over all passes."""
+    ``context`` tokens each where the cache has room (else none), removed afterwards; a pass
+    the cache cannot hold is not run (``None``). The fastest of ``SWEEPS`` sweeps over all
+    passes."""
     ids = list(range(max(len(p) for p in passes)))
 
     def fits(context: int, lengths: Sequence[int]) -> bool:
@@ -50,7 +53,7 @@ def time_passes(
         return need <= kv.available_pages()
 
     widest = [max(p[i] if i < len(p) else 0 for p in passes) for i in ids]
-    context = CONTEXT_TOKENS if fits(CONTEXT_TOKENS, widest) else 0
+    context = context if fits(context, widest) else 0
     rng = np.random.default_rng(0)
     for seq_id in ids:
         kv.add_sequence(seq_id)
@@ -80,6 +83,23 @@ def time_passes(
     timed = seconds[1:]
     sweeps = [timed[i * len(passes) : (i + 1) * len(passes)] for i in range(SWEEPS)]
     return [None if None in times else min(times) for times in zip(*sweeps, strict=True)]
+
+
+def attention_cost(model: Model, kv: PagedKVCache, rows: int, chunk_size: int) -> float | None:
+    """Seconds a decode row pays per token of context beyond the reference: ``rows`` rows
+    timed at ``REFERENCE_CONTEXT`` and at up to ``LONG_CONTEXT`` tokens each (what the cache
+    holds); None where it holds too little to tell."""
+    fit = (kv.available_pages() // rows - 1) * kv.page_size
+    long = min(LONG_CONTEXT, fit)
+    if long < 4 * REFERENCE_CONTEXT:
+        return None
+    near, far = (
+        time_passes(model, kv, "decode", [[1] * rows], chunk_size, c)[0]
+        for c in (REFERENCE_CONTEXT, long)
+    )
+    if near is None or far is None:
+        return None
+    return max(0.0, (far - near) / (rows * (long - REFERENCE_CONTEXT)))
 
 
 def sizes(smallest: int, largest: int) -> list[int]:
