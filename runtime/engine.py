@@ -59,7 +59,7 @@ from .scheduler import (
     pages,
 )
 from .speculation import CostTable, DraftCosts, StepCosts
-from .speculation.warm_up import attention_cost, record, sizes, time_passes
+from .speculation.warm_up import attention_costs, record, sizes, time_passes
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig"]
@@ -175,7 +175,7 @@ class Engine:
         record(costs.decode, map(len, decodes), self._time("decode", decodes))
         record(costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))
         chunk = self.config.prefill_chunk_size
-        costs.attention = attention_cost(self.target, self.kv, rows, chunk) or 0.0
+        costs.attention = attention_costs(self.target, self.kv, rows, width, chunk)
         self.proposer.warm_up(rows)
 
     def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:

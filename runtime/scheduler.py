@@ -34,11 +34,11 @@ from .proposers import Proposer
 from .request import Request, Sequence, Status
 from .speculation import (
     AcceptanceEstimator,
+    Attended,
     Candidate,
     GoodputPolicy,
     StepCosts,
     StepShape,
-    beyond_reference,
 )
 
 # Pages a sequence may need beyond ``pages(its tokens)``. After ``fork_sequence`` a sample writes
@@ -100,9 +100,9 @@ class StepPlan:
     chunk: PrefillWork | None = None
     contexts: list[int] = dataclasses.field(default_factory=list)  # KV tokens per sequence
 
-    def attended(self, num_draft: list[int]) -> int:
-        """``StepShape.attended`` of the target pass with ``num_draft`` drafts per sequence."""
-        return beyond_reference(self.contexts, [k + 1 for k in num_draft])
+    def attended(self, num_draft: list[int]) -> Attended:
+        """What the target pass with ``num_draft`` drafts per sequence attends over."""
+        return Attended.of(self.contexts, num_draft)
 
 
 Work = PrefillWork | StepPlan
@@ -308,7 +308,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - len(decoding)
         budget = min(self.config.prefill_chunk_size, max(self.page_size, budget))
         ratio = self.config.chunk_time_ratio
-        plain = self.costs.plain(len(decoding), beyond_reference([s.kv_len for s in decoding]))
+        plain = self.costs.plain([s.kv_len for s in decoding])
         prefilling = self._prefilling()
         if ratio is None or plain is None or not prefilling:
             return budget
@@ -340,11 +340,11 @@ class Scheduler:
         """A step that drafted nothing, before its commit: its pass's time by rows (the policy's
         decode table, with or without a proposer), or, with a chunk in it, what the chunk added
         to that."""
-        rows, attended = len(plan.seqs), plan.attended([0] * len(plan.seqs))
+        rows = len(plan.seqs)
         if plan.chunk is None:
-            self.costs.observe_target(rows, rows, seconds, attended)
+            self.costs.observe_target(rows, rows, seconds, Attended.of(plan.contexts))
             return
-        plain = self.costs.plain(rows, attended)
+        plain = self.costs.plain(plan.contexts)
         if plain is not None:
             self.prefill_costs.observe(plan.chunk.chunks(), seconds - plain)
 
@@ -385,7 +385,7 @@ class Scheduler:
             return plan, preempted
         estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
         if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
-            plain = self.costs.predict(StepShape(len(seqs), attended=beyond_reference(contexts)))
+            plain = self.costs.predict(StepShape(len(seqs), attended=Attended.of(contexts)))
             plan = StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs), contexts=contexts)
             return plan, preempted
         batch = []

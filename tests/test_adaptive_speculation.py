@@ -12,6 +12,7 @@ from tiny_models import VOCAB
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.cli import main
 from mlc_spec.errors import UserError
+from mlc_spec.runtime.speculation import Attention
 from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -142,9 +143,9 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference):
         spec["costs"]["verify_one_sequence_by_tokens"] and spec["costs"]["draft_next_pass_by_rows"]
     )
     # A prompt's catch-up by the draft was timed at load, not extrapolated from small passes;
-    # so was attending over a long context (8 rows of 512 tokens against 8 of 32).
+    # so was attending over a long context (512 tokens against 32, a row's and a draft's).
     assert CATCH_UP_STRIDE in spec["costs"]["draft_first_pass_by_tokens"]
-    assert spec["costs"]["attention_per_context_token"] > 0
+    assert spec["costs"]["attention_per_context_token"]["row"] > 0
     assert spec["measured_seconds"] > 0 and spec["predicted_seconds"] > 0
     step = spec["recent"][-1]
     assert len(step["sequences"]) == len(step["num_draft"]) == len(step["acceptance"])
@@ -185,7 +186,7 @@ def test_attention_is_not_timed_where_the_cache_cannot_hold_a_long_context(tiny_
     """8 rows of 64 tokens: too short to tell attention from noise; passes are then priced at
     the contexts steps run at, as without a warm-up."""
     llm = _llm(tiny_llama, "ngram", max_total_len=512, prefill_chunk_size=256)
-    assert llm.engine.scheduler.costs.attention == 0.0
+    assert llm.engine.scheduler.costs.attention == Attention()
 
 
 def test_generate_command_takes_a_per_request_k(tiny_llama, capsys):

@@ -9,6 +9,8 @@ import pytest
 from mlc_spec.runtime.speculation import (
     REFERENCE_CONTEXT,
     AcceptanceEstimator,
+    Attended,
+    Attention,
     Candidate,
     CostTable,
     DraftCosts,
@@ -166,22 +168,23 @@ def test_prediction_adds_target_draft_and_rest():
 
 
 def test_context_beyond_the_reference_is_priced_by_attention():
-    """Tables hold passes at the reference context; each token of a pass pays ``attention``
-    per token of context beyond it, so a step measured at a long context enters the tables at
-    the reference, and drafts for a sequence with a long context cost more."""
+    """Tables hold passes at the reference context; a pass pays per token of context beyond it,
+    for each row and, less, for each of its drafts, so a step measured at a long context
+    enters the tables at the reference, and drafts for a sequence with a long context cost
+    more."""
     step = costs(lambda n: 0.010 + 0.001 * n, lambda n: 0.010 + 0.001 * n)
-    step.attention = 1e-6
+    step.attention = Attention(row=2e-6, draft=1e-6)
     long = REFERENCE_CONTEXT + 1000
     shape = StepShape.of([2, 0], [1, 1], [long, REFERENCE_CONTEXT])
-    assert shape.attended == 3 * 1000  # the long sequence's pending token and its 2 drafts
-    assert step.predict(shape) == pytest.approx(0.010 + 0.001 * 4 + 0.003)
-    assert step.plain(2, 1000) == pytest.approx(0.012 + 0.001)
-    step.observe_target(2, 2, 0.014, attended=2000)  # 12 ms at the reference, as predicted
+    assert shape.attended == Attended(rows=1000, drafts=2000)  # the long row and its 2 drafts
+    assert step.predict(shape) == pytest.approx(0.010 + 0.001 * 4 + 0.002 + 0.002)
+    assert step.plain([long, REFERENCE_CONTEXT]) == pytest.approx(0.012 + 0.002)
+    step.observe_target(2, 2, 0.016, Attended(rows=2000))  # 12 ms at the reference
     assert step.decode.predict(2) == pytest.approx(0.012)
     # A draft costs 1 ms of matmul; at 3 us per token of context, attending 1000 tokens beyond
-    # adds 3 ms to each token. At 20% acceptance a draft pays at the reference context (0.2
-    # tokens more for 1 ms on 11) but not 1000 tokens past it (for 4 ms on 14).
-    step.attention = 3e-6
+    # adds 3 ms to it. At 20% acceptance a draft pays at the reference context (0.2 tokens
+    # more for 1 ms on 11) but not 1000 tokens past it (for 4 ms on 13).
+    step.attention = Attention(row=2e-6, draft=3e-6)
     near, far = (
         [Candidate(cap=1, pinned=None, acceptance=0.2, context=c)]
         for c in (REFERENCE_CONTEXT, long)

@@ -4,17 +4,20 @@ and estimated acceptance."""
 from .acceptance import AcceptanceEstimator
 from .costs import (
     REFERENCE_CONTEXT,
+    Attended,
+    Attention,
     CostTable,
     DraftCosts,
     RunningMean,
     StepCosts,
     StepShape,
-    beyond_reference,
 )
 from .policy import Candidate, Decision, GoodputPolicy, expected_tokens
 
 __all__ = [
     "REFERENCE_CONTEXT",
+    "Attended",
+    "Attention",
     "AcceptanceEstimator",
     "Candidate",
     "CostTable",
@@ -24,6 +27,5 @@ __all__ = [
     "RunningMean",
     "StepCosts",
     "StepShape",
-    "beyond_reference",
     "expected_tokens",
 ]

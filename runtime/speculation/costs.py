@@ -18,7 +18,7 @@ from collections.abc import Sequence
 # Context tokens each sequence holds in the load-time passes. Attention makes a pass dearer with
 # the context its tokens attend over (SmolLM2 int8, 16 rows on 2 cores: a decode step costs
 # 16.9 ms at 32 tokens of context each, 26.5 ms at 256 and 36.8 ms at 512), so the tables hold
-# passes at this context and ``StepCosts.attention`` prices each token's context beyond it.
+# passes at this context and ``StepCosts.attention`` prices the context beyond it.
 REFERENCE_CONTEXT = 32
 # Weight of a new measurement in a running mean: a change of load shows within ~5 steps, one
 # noisy step moves an estimate by a fifth of its error.
@@ -83,14 +83,14 @@ STEADY_CATCH_UP = 2
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
     pass (at most ``STEADY_CATCH_UP`` per sequence), ``drafting[j]``, how many sequences
-    draft a (j+1)-th token (``drafts`` in all), and ``attended``, the context the target pass's
-    tokens attend over beyond ``REFERENCE_CONTEXT`` each (below it: less than 0), summed."""
+    draft a (j+1)-th token (``drafts`` in all), and the context its rows and its drafts attend
+    over (``Attended``)."""
 
     rows: int
     catch_up: int = 0
     drafting: list[int] = dataclasses.field(default_factory=list)
     drafts: int = 0
-    attended: int = 0
+    attended: Attended = dataclasses.field(default_factory=lambda: Attended())
 
     def add_draft(self, k_before: int, catch_up: int, context: int = REFERENCE_CONTEXT) -> None:
         """One more draft for a sequence that had ``k_before`` and holds ``context`` tokens."""
@@ -100,7 +100,7 @@ class StepShape:
             self.drafting.append(0)
         self.drafting[k_before] += 1
         self.drafts += 1
-        self.attended += context - REFERENCE_CONTEXT
+        self.attended.drafts += context - REFERENCE_CONTEXT
 
     @classmethod
     def of(
@@ -110,18 +110,43 @@ class StepShape:
         contexts: Sequence[int] | None = None,
     ) -> StepShape:
         contexts = contexts or [REFERENCE_CONTEXT] * len(num_draft)
-        shape = cls(len(num_draft), attended=beyond_reference(contexts))
+        shape = cls(len(num_draft), attended=Attended.of(contexts))
         for k, c, context in zip(num_draft, catch_up, contexts, strict=True):
             for j in range(k):
                 shape.add_draft(j, c, context)
         return shape
 
 
-def beyond_reference(contexts: Sequence[int], tokens: Sequence[int] | None = None) -> int:
-    """``StepShape.attended`` of a pass with ``tokens[i]`` tokens (default 1) of a sequence
-    holding ``contexts[i]``."""
-    tokens = tokens or [1] * len(contexts)
-    return sum(n * (c - REFERENCE_CONTEXT) for c, n in zip(contexts, tokens, strict=True))
+@dataclasses.dataclass
+class Attended:
+    """The context a target pass attends over beyond ``REFERENCE_CONTEXT`` per token (below
+    it: less than 0), summed over each sequence's first token (``rows``) and over its further
+    tokens, its drafts (``drafts``): those read the keys and values the first one brought into
+    the cache, and cost less (SmolLM2 int8 at 512 tokens: ~2.5 and ~1 us a token of context)."""
+
+    rows: int = 0
+    drafts: int = 0
+
+    @classmethod
+    def of(cls, contexts: Sequence[int], num_draft: Sequence[int] | None = None) -> Attended:
+        """Rows holding ``contexts[i]`` tokens with ``num_draft[i]`` drafts (default none)."""
+        beyond = [c - REFERENCE_CONTEXT for c in contexts]
+        drafts = num_draft or [0] * len(contexts)
+        return cls(sum(beyond), sum(k * b for k, b in zip(drafts, beyond, strict=True)))
+
+
+@dataclasses.dataclass
+class Attention:
+    """Seconds a pass pays per token of context beyond ``REFERENCE_CONTEXT``: for a row's first
+    token, and for each of its drafts. Measured at load with automatic speculation
+    (``warm_up.attention_costs``); 0 otherwise, and the tables then hold passes at the
+    contexts steps ran at."""
+
+    row: float = 0.0
+    draft: float = 0.0
+
+    def seconds(self, attended: Attended) -> float:
+        return self.row * attended.rows + self.draft * attended.drafts
 
 
 @dataclasses.dataclass
@@ -195,10 +220,7 @@ class StepCosts:
     verify: CostTable
     draft: DraftCosts
     per_row: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
-    # Seconds a pass's token pays per token of context beyond ``REFERENCE_CONTEXT`` (measured at
-    # load with automatic speculation; 0 otherwise, and the tables then hold passes at the
-    # contexts steps ran at).
-    attention: float = 0.0
+    attention: Attention = dataclasses.field(default_factory=Attention)
     shapes: dict[int, dict[int, RunningMean]] = dataclasses.field(default_factory=dict)
     estimate_bias: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(1.0))
 
@@ -208,13 +230,12 @@ class StepCosts:
         if target is None or draft is None:
             return None
         rest = shape.rows * (self.per_row.value or 0.0)
-        return target + self.attention * shape.attended + draft + rest
+        return target + self.attention.seconds(shape.attended) + draft + rest
 
-    def plain(self, rows: int, attended: int) -> float | None:
-        """A plain decode pass of ``rows`` sequences whose tokens attend ``attended`` beyond
-        the reference context (``StepShape.attended``)."""
-        decode = self.target(rows, rows)
-        return None if decode is None else decode + self.attention * attended
+    def plain(self, contexts: Sequence[int]) -> float | None:
+        """A plain decode pass of sequences holding ``contexts`` tokens."""
+        decode = self.target(len(contexts), len(contexts))
+        return None if decode is None else decode + self.attention.seconds(Attended.of(contexts))
 
     def target(self, rows: int, tokens: int) -> float | None:
         """The target pass over ``rows`` sequences and ``tokens`` tokens (a decode where they
@@ -240,9 +261,11 @@ class StepCosts:
         whole, part = self.verify.predict(tokens), self.verify.predict(rows)
         return None if whole is None or part is None else whole - part
 
-    def observe_target(self, rows: int, tokens: int, seconds: float, attended: int = 0) -> None:
+    def observe_target(
+        self, rows: int, tokens: int, seconds: float, attended: Attended | None = None
+    ) -> None:
         """A target pass's time, entered at the reference context."""
-        seconds -= self.attention * attended
+        seconds -= self.attention.seconds(attended or Attended())
         if tokens == rows:
             self.decode.observe(rows, seconds)
             return
@@ -268,5 +291,5 @@ class StepCosts:
             "propose_per_sequence": self.draft.per_sequence.value,
             "unrun_shape_bias": self.estimate_bias.value,
             "rest_per_row": self.per_row.value,
-            "attention_per_context_token": self.attention,
+            "attention_per_context_token": dataclasses.asdict(self.attention),
         }

@@ -10,7 +10,7 @@ import numpy as np
 from ..kv_cache import PagedKVCache
 from ..model import Model
 from ..params import SamplingParams
-from .costs import REFERENCE_CONTEXT, CostTable
+from .costs import REFERENCE_CONTEXT, Attention, CostTable
 
 # Context that attention is timed at besides the reference: the tokens a served sequence holds
 # while it decodes, prompt and answer, is several hundred.
@@ -85,21 +85,31 @@ def time_passes(
     return [None if None in times else min(times) for times in zip(*sweeps, strict=True)]
 
 
-def attention_cost(model: Model, kv: PagedKVCache, rows: int, chunk_size: int) -> float | None:
-    """Seconds a decode row pays per token of context beyond the reference: ``rows`` rows
-    timed at ``REFERENCE_CONTEXT`` and at up to ``LONG_CONTEXT`` tokens each (what the cache
-    holds); None where it holds too little to tell."""
-    fit = (kv.available_pages() // rows - 1) * kv.page_size
-    long = min(LONG_CONTEXT, fit)
-    if long < 4 * REFERENCE_CONTEXT:
-        return None
-    near, far = (
-        time_passes(model, kv, "decode", [[1] * rows], chunk_size, c)[0]
-        for c in (REFERENCE_CONTEXT, long)
-    )
-    if near is None or far is None:
-        return None
-    return max(0.0, (far - near) / (rows * (long - REFERENCE_CONTEXT)))
+def attention_costs(
+    model: Model, kv: PagedKVCache, rows: int, width: int, chunk_size: int
+) -> Attention:
+    """What a pass pays per token of context beyond the reference (``Attention``): ``rows``
+    decode rows, and a verify of ``width`` tokens of one sequence against one token, each timed
+    at ``REFERENCE_CONTEXT`` and at up to ``LONG_CONTEXT`` tokens per sequence (what the cache
+    holds); none where it holds too little to tell."""
+    long = min(LONG_CONTEXT, (kv.available_pages() // rows - 1) * kv.page_size)
+    if long < 4 * REFERENCE_CONTEXT or width < 2:
+        return Attention()
+
+    def added(function: str, passes: list[list[int]]) -> list[float] | None:
+        """Per pass: seconds per token of context beyond the reference, per sequence."""
+        near = time_passes(model, kv, function, passes, chunk_size, REFERENCE_CONTEXT)
+        far = time_passes(model, kv, function, passes, chunk_size, long)
+        if None in near or None in far:
+            return None
+        beyond = long - REFERENCE_CONTEXT
+        return [max(0.0, f - n) / beyond for n, f in zip(near, far, strict=True)]
+
+    decode = added("decode", [[1] * rows])
+    verify = added("evaluate_multi_query", [[1], [width]])
+    if decode is None or verify is None:
+        return Attention()
+    return Attention(decode[0] / rows, max(0.0, verify[1] - verify[0]) / (width - 1))
 
 
 def sizes(smallest: int, largest: int) -> list[int]:
