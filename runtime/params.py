@@ -159,9 +159,10 @@ class EngineConfig:
     # token ~1.6x later than with 512; docs/benchmarks.md).
     max_num_batched_tokens: int = 64
     # ... and in time: a chunk predicted to take at most this multiple of the decoding rows'
-    # plain step (both measured in this process, runtime/prefill_costs.py), so their steps
-    # take at most about (1 + this) times as long while a long prompt is prefilled, whatever
-    # its context; at least MIN_TIMED_CHUNK tokens, so prompts still advance. None: tokens only.
+    # plain step per waiting prompt (both measured in this process, runtime/prefill_costs.py),
+    # so their steps take at most about (1 + this) times as long while a long prompt is
+    # prefilled, whatever its context; at least MIN_TIMED_CHUNK tokens, so prompts still
+    # advance. None: tokens only.
     # SmolLM2 int8 on 2 cores, 8 streams and a 2,000-token prompt: 0.3-0.5 kept the streams'
     # p99 gap at 2.2-2.5x their median alone (tokens alone: 7-8x), the prompt's first token
     # ~1.15x later (docs/benchmarks.md).

@@ -132,7 +132,8 @@ class AsyncEngine:
             occupancy = self.engine.occupancy()
             with self._lock:
                 self._engine_waiting = occupancy.num_waiting
-            self.metrics.observe_engine(occupancy, self.engine.stats)
+            proposer = self.engine.proposer.metrics() if self.engine.proposer else {}
+            self.metrics.observe_engine(occupancy, self.engine.stats, proposer)
 
     def _take_commands(self, block: bool) -> bool:
         """Carry out queued commands (waiting for one if ``block``); False on stop."""

@@ -741,7 +741,7 @@ def add_arguments(p) -> None:
         "--speculative",
         nargs="+",
         type=speculation_setting,
-        default=["none", "ngram"],
+        default=["none", "suffix"],
         help="one server per setting, one line each in the plots: none, or ngram / suffix / "
         "draft with an optional draft length, e.g. ngram:4 suffix:auto",
     )

@@ -58,6 +58,13 @@ class ServerMetrics:
             "prefix_cache_hits", "Tokens found in the prefix cache (their K/V reused)."
         )
         self._prefix_seen = (0, 0)
+        self.suffix_cache_bytes = gauge(
+            "suffix_cache_bytes", "Bytes of earlier outputs held for suffix decoding."
+        )
+        self.suffix_cache_evictions = counter(
+            "suffix_cache_evictions", "Earlier outputs evicted from the suffix decoding cache."
+        )
+        self._evictions_seen = 0
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
             "mlc_spec:request_success",
@@ -85,8 +92,14 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self._request_success.labels(self._model_name, reason).inc()
 
-    def observe_engine(self, occupancy: Occupancy, stats: SpecStats) -> None:
-        """Load gauges now, and the engine-wide counters' growth since last time."""
+    def observe_engine(self, occupancy: Occupancy, stats: SpecStats, proposer: dict) -> None:
+        """Load gauges now, and the engine-wide counters' growth since last time; ``proposer``
+        is what the proposer reports (``Proposer.metrics``)."""
+        suffix = proposer.get("suffix_cache")
+        if suffix is not None:
+            self.suffix_cache_bytes.set(suffix["bytes"])
+            self.suffix_cache_evictions.inc(suffix["evictions"] - self._evictions_seen)
+            self._evictions_seen = suffix["evictions"]
         queries, hits = occupancy.prefix_cache_queries, occupancy.prefix_cache_hits
         self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
         self.prefix_cache_hits.inc(hits - self._prefix_seen[1])

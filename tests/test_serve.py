@@ -183,6 +183,18 @@ def test_stats_show_the_engine_and_its_speculation(server):
     assert stats["speculation"]["num_predicted"] <= stats["speculation"]["num_steps"]
 
 
+def test_suffix_decoding_reports_its_cache(tiny_llama):
+    """An answer goes into the shared suffix tree when it ends: /stats and /metrics show it."""
+    llm = LLM(tiny_llama.artifact, speculative={"method": "suffix"}, async_scheduling=True)
+    with serving(llm) as served:
+        for _ in range(2):
+            served.client().completions.create(model="tiny", prompt="w5", max_tokens=9, **GREEDY)
+        m = served.wait_idle()
+        stats = httpx.get(f"{served.url}/stats").json()
+    assert stats["suffix_cache"]["documents"] == 1  # the same answer twice is held once
+    assert m["mlc_spec:suffix_cache_bytes"] == stats["suffix_cache"]["bytes"] > 0
+
+
 def test_stats_without_speculation(tiny_llama):
     with serving(LLM(tiny_llama.artifact)) as served:
         served.client().completions.create(model="tiny", prompt="w5", max_tokens=3, **GREEDY)

@@ -58,7 +58,7 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None, dict | None]:
 
         draft = compiled_draft(_pypi_name("--draft-model", draft))
     if method is None:
-        method = "draft" if draft is not None else "ngram"
+        method = "draft" if draft is not None else "suffix"
     return Path(model), draft, _speculative(method, args)
 
 
@@ -200,8 +200,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         choices=["none", "ngram", "suffix", "draft"],
-        help="default: draft where there is a draft model, else ngram (prompt lookup); suffix: "
-        "suffix trees over the prompt and earlier requests' outputs",
+        help="default: draft where there is a draft model, else suffix (suffix trees over the "
+        "prompt and earlier requests' outputs; ngram: prompt lookup alone)",
     )
     p.add_argument(
         "-k",
