@@ -13,6 +13,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "mix64.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,14 +28,7 @@ namespace py = pybind11;
 
 namespace {
 
-uint64_t Mix64(uint64_t x) {  // splitmix64 finaliser: a cheap bijection with good avalanche.
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
+using mlc_spec::Mix64;
 
 // Open-addressing (linear probing) map from a non-zero 64-bit key to a position; key 0 marks an
 // empty slot. Much faster than std::unordered_map for this insert-or-replace workload.

@@ -19,6 +19,8 @@
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include "mix64.h"
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -35,14 +37,7 @@ namespace py = pybind11;
 
 namespace {
 
-uint64_t Mix64(uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
+using mlc_spec::Mix64;
 
 // Linear-probing map from a (parent, token) key to a child node, with backward-shift deletion
 // (no tombstones, so lookups stay short however many documents come and go).
