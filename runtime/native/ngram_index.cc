@@ -14,13 +14,12 @@
 #include <pybind11/pybind11.h>
 
 #include "mix64.h"
+#include "tokens.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -29,6 +28,7 @@ namespace py = pybind11;
 namespace {
 
 using mlc_spec::Mix64;
+using mlc_spec::ToTokens;
 
 // Open-addressing (linear probing) map from a non-zero 64-bit key to a position; key 0 marks an
 // empty slot. Much faster than std::unordered_map for this insert-or-replace workload.
@@ -135,39 +135,6 @@ class NgramIndex {
   std::vector<PositionTable> tables_;  // tables_[n - min_n]
   std::vector<int64_t> prev_end_;      // latest earlier end of the current n-gram suffix, or -1
 };
-
-// Views `arr` as contiguous T (a copy only if needed), checks every id, returns them as int32.
-template <typename T>
-py::array_t<int32_t> CheckedIds(const py::array& arr) {
-  constexpr uint64_t kMaxId = std::numeric_limits<int32_t>::max();
-  auto ids = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(arr);
-  const T* data = ids.data();
-  for (py::ssize_t i = 0; i < ids.size(); ++i) {
-    if ((std::is_signed_v<T> && data[i] < 0) || static_cast<uint64_t>(data[i]) > kMaxId) {
-      throw py::value_error("token ids must be in [0, 2**31 - 1], got " + std::to_string(data[i]));
-    }
-  }
-  return py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(ids);
-}
-
-// Converts any 1-D integer array-like to int32 token ids, rejecting what is not a valid id.
-py::array_t<int32_t> ToTokens(const py::object& obj) {
-  py::array arr = py::array::ensure(obj);
-  if (!arr) throw py::value_error("tokens must be a 1-D array-like of integers");
-  if (arr.ndim() != 1) {
-    throw py::value_error("tokens must be 1-D, got " + std::to_string(arr.ndim()) + " dims");
-  }
-  if (arr.size() == 0) return py::array_t<int32_t>(0);
-  const char kind = arr.dtype().kind();
-  if (kind == 'u') return CheckedIds<uint64_t>(arr);
-  if (kind != 'i') {
-    throw py::value_error("tokens must have an integer dtype, got " +
-                          py::str(arr.dtype()).cast<std::string>());
-  }
-  // int32 (the common case) is checked in place; other signed widths go through int64.
-  if (arr.itemsize() == 4) return CheckedIds<int32_t>(arr);
-  return CheckedIds<int64_t>(arr);
-}
 
 }  // namespace
 

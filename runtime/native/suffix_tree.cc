@@ -21,7 +21,7 @@
 #include <pybind11/pybind11.h>
 
 #include "mix64.h"
-#include <pybind11/stl.h>
+#include "tokens.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -38,6 +38,7 @@ namespace py = pybind11;
 namespace {
 
 using mlc_spec::Mix64;
+using mlc_spec::ToTokens;
 
 // Linear-probing map from a (parent, token) key to a child node, with backward-shift deletion
 // (no tombstones, so lookups stay short however many documents come and go).
@@ -283,26 +284,6 @@ class SuffixTree {
   std::unordered_map<int64_t, Document> docs_;
   mutable std::mutex mutex_;
 };
-
-// Converts a 1-D integer array-like to int32 token ids, rejecting what is not a valid id.
-py::array_t<int32_t> ToTokens(const py::object& obj) {
-  py::array arr = py::array::ensure(obj);
-  if (!arr || arr.ndim() != 1) throw py::value_error("tokens must be a 1-D array-like of integers");
-  if (arr.size() == 0) return py::array_t<int32_t>(0);
-  const char kind = arr.dtype().kind();
-  if (kind != 'i' && kind != 'u') throw py::value_error("tokens must have an integer dtype");
-  auto ids = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
-  const int64_t* data = ids.data();
-  py::array_t<int32_t> out(ids.size());
-  int32_t* dst = out.mutable_data();
-  for (py::ssize_t i = 0; i < ids.size(); ++i) {
-    if (data[i] < 0 || data[i] > std::numeric_limits<int32_t>::max()) {
-      throw py::value_error("token ids must be in [0, 2**31 - 1], got " + std::to_string(data[i]));
-    }
-    dst[i] = static_cast<int32_t>(data[i]);
-  }
-  return out;
-}
 
 }  // namespace
 
