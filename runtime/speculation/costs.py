@@ -80,6 +80,24 @@ STEADY_CATCH_UP = 2
 
 
 @dataclasses.dataclass
+class Attended:
+    """The context a target pass attends over beyond ``REFERENCE_CONTEXT`` per token (below
+    it: less than 0), summed over each sequence's first token (``rows``) and over its further
+    tokens, its drafts (``drafts``): those read the keys and values the first one brought into
+    the cache, and cost less (SmolLM2 int8 at 512 tokens: ~2.6 and ~0.6 us a token of context)."""
+
+    rows: int = 0
+    drafts: int = 0
+
+    @classmethod
+    def of(cls, contexts: Sequence[int], num_draft: Sequence[int] | None = None) -> Attended:
+        """Rows holding ``contexts[i]`` tokens with ``num_draft[i]`` drafts (default none)."""
+        beyond = [c - REFERENCE_CONTEXT for c in contexts]
+        drafts = num_draft or [0] * len(contexts)
+        return cls(sum(beyond), sum(k * b for k, b in zip(drafts, beyond, strict=True)))
+
+
+@dataclasses.dataclass
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
     pass (at most ``STEADY_CATCH_UP`` per sequence), ``drafting[j]``, how many sequences
@@ -90,7 +108,7 @@ class StepShape:
     catch_up: int = 0
     drafting: list[int] = dataclasses.field(default_factory=list)
     drafts: int = 0
-    attended: Attended = dataclasses.field(default_factory=lambda: Attended())
+    attended: Attended = dataclasses.field(default_factory=Attended)
 
     def add_draft(self, k_before: int, catch_up: int, context: int = REFERENCE_CONTEXT) -> None:
         """One more draft for a sequence that had ``k_before`` and holds ``context`` tokens."""
@@ -115,24 +133,6 @@ class StepShape:
             for j in range(k):
                 shape.add_draft(j, c, context)
         return shape
-
-
-@dataclasses.dataclass
-class Attended:
-    """The context a target pass attends over beyond ``REFERENCE_CONTEXT`` per token (below
-    it: less than 0), summed over each sequence's first token (``rows``) and over its further
-    tokens, its drafts (``drafts``): those read the keys and values the first one brought into
-    the cache, and cost less (SmolLM2 int8 at 512 tokens: ~2.5 and ~1 us a token of context)."""
-
-    rows: int = 0
-    drafts: int = 0
-
-    @classmethod
-    def of(cls, contexts: Sequence[int], num_draft: Sequence[int] | None = None) -> Attended:
-        """Rows holding ``contexts[i]`` tokens with ``num_draft[i]`` drafts (default none)."""
-        beyond = [c - REFERENCE_CONTEXT for c in contexts]
-        drafts = num_draft or [0] * len(contexts)
-        return cls(sum(beyond), sum(k * b for k, b in zip(drafts, beyond, strict=True)))
 
 
 @dataclasses.dataclass
