@@ -22,6 +22,12 @@ each value row is added with one fused multiply-add per vector. Keys past a row'
 masked (their lanes may hold anything, even NaN: a lane never reaches another) and their values
 are not read.
 
+A row of a draft tree (``runtime/draft_tree.py``) attends to the keys of its own path through
+the tree, not to every token before it in the pass: a path of ``m`` keys maps the row's last
+``m`` positions to where those keys were appended. A page that holds a mapped position is
+gathered lane by lane (lane = position mod 16, as in the page decode would have written) and
+then goes through the same arithmetic, so a tree row is bit for bit the decode row of its path.
+
 The thread pool's tasks are (query row, KV head) pairs, even in a decode step: in a model's
 layer the pages come from memory, and two threads' reads overlap (run alone, with the pages in
 cache, one thread was faster below ~150 page visits). Each task asks for the next page's lines
@@ -74,7 +80,10 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
     ``q`` [rows, h_q, d]; ``pages`` [layers, num_pages, 2, h_kv, PAGE * d] (``page_layout``), of
     which ``layer``'s; sequence s has rows ``q_indptr[s]`` .. ``q_indptr[s + 1]`` and pages
     ``page_values[page_indptr[s]:page_indptr[s + 1]]``; a row attends to the keys at positions
-    0 .. ``positions[row]`` of its sequence. Writes ``output`` [rows, h_q, d]."""
+    0 .. ``positions[row]`` of its sequence, of which the last ``path_indptr[row + 1] -
+    path_indptr[row]`` are at the sequence positions ``path_positions[path_indptr[row]:...]``
+    (a draft tree's path; none for a chain, decode or prefill). Writes ``output`` [rows, h_q,
+    d]."""
     group, span, vecs = h_q // h_kv, d // CHAINS, d // PAGE
     _, v_offset = page_layout(h_kv, d)
     # log2(e) / sqrt(d), rounded once: the query's scale for base-2 scores
@@ -82,7 +91,7 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
     passes = [range(i, min(i + SHARED_HEADS, group)) for i in range(0, group, SHARED_HEADS)]
 
     with IRBuilder() as ib, scheduled_prim_func():
-        rows, batch_plus_1, nnz = T.int32(), T.int32(), T.int32()
+        rows, batch_plus_1, nnz, path_nnz = T.int32(), T.int32(), T.int32(), T.int32()
         layers, num_pages = T.int64(), T.int64()
         q = T.match_buffer(T.arg("q", T.handle()), (rows, h_q, d), dtype)
         pages = T.match_buffer(
@@ -92,6 +101,8 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
         page_indptr = T.match_buffer(T.arg("page_indptr", T.handle()), (batch_plus_1,), "int32")
         page_values = T.match_buffer(T.arg("page_values", T.handle()), (nnz,), "int32")
         positions = T.match_buffer(T.arg("positions", T.handle()), (rows,), "int32")
+        path_indptr = T.match_buffer(T.arg("path_indptr", T.handle()), (rows + 1,), "int32")
+        path_positions = T.match_buffer(T.arg("path_positions", T.handle()), (path_nnz,), "int32")
         layer = T.arg("layer", T.int64())
         output = T.match_buffer(T.arg("output", T.handle()), (rows, h_q, d), dtype)
         flat = T.decl_buffer((layers * num_pages * 2 * h_kv * PAGE * d,), dtype, data=pages.data)
@@ -117,6 +128,10 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                     for _ in range(SHARED_HEADS)
                 ]
                 seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
+                # Where a gathered page's lanes come from: each key's first feature, each value
+                k_src = T.sblock_alloc_buffer((PAGE,), "int64", scope="global")
+                v_src = T.sblock_alloc_buffer((PAGE,), "int64", scope="global")
+                lanes = T.sblock_alloc_buffer((PAGE,), "float32", scope="global")  # a key vector
                 row = T.Bind(task // h_kv)
                 g = T.Bind(task % h_kv)
                 T.buffer_store(seq, 0, [0])
@@ -132,14 +147,35 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                     _store(lsum, i * PAGE, tirx.Broadcast(T.float32(0), PAGE))
                     T.buffer_store(top, T.float32(_START), [i])
                 last = T.Bind((keys + PAGE - 1) // PAGE - 1)
+                path = T.Bind(path_indptr[row])
+                mapped = T.Bind(keys - (path_indptr[row + 1] - path))  # the first path position
                 with T.serial(0, last + 1) as p:
-                    k_base = T.Bind(block(page_values[first + p], g))
-                    ahead = T.Bind(block(page_values[first + T.min(p + 1, last)], g))
                     n = T.Bind(T.min(PAGE, keys - p * PAGE))
-                    for pass_, heads in enumerate(passes):
-                        scores(k_base, n, heads, qv, acc, s, ahead if pass_ == 0 else None)
-                    for i in range(group):
-                        fold(k_base + v_offset, n, i, s, o, lsum, top)
+                    with T.If(T.And(mapped < keys, mapped < (p + 1) * PAGE)):
+                        with T.Then():
+                            gather(p, n, first, g, mapped, path, k_src, v_src)
+
+                            def key_at(line):
+                                with T.serial(0, PAGE) as lane:
+                                    key = flat[k_src[lane] + line]
+                                    T.buffer_store(lanes, T.Cast("float32", key), [lane])
+                                return vec(lanes, 0)
+
+                            for heads in passes:
+                                scores(key_at, n, heads, qv, acc, s, None)
+                            for i in range(group):
+                                fold(lambda j: v_src[j], n, i, s, o, lsum, top)
+                        with T.Else():
+                            k_base = T.Bind(block(page_values[first + p], g))
+                            ahead = T.Bind(block(page_values[first + T.min(p + 1, last)], g))
+
+                            def key_at(line):
+                                return vec(flat, k_base + line)
+
+                            for pass_, heads in enumerate(passes):
+                                scores(key_at, n, heads, qv, acc, s, ahead if pass_ == 0 else None)
+                            for i in range(group):
+                                fold(lambda j: k_base + v_offset + j * d, n, i, s, o, lsum, top)
                 for i in range(group):
                     inverse = T.Bind(T.float32(1) / horizontal(tirx.Add, vec(lsum, i * PAGE), PAGE))
                     for c in range(vecs):
@@ -150,6 +186,19 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                             [row, g * group + i, T.ramp(c * PAGE, 1, PAGE)],
                         )
 
+        def gather(p, n, first, g, mapped, path, k_src, v_src) -> None:
+            """Where the keys and values of positions ``p * PAGE`` + lane are for a row whose
+            positions from ``mapped`` on are at ``path_positions[path:]``; masked lanes (from
+            ``n`` on) repeat the last key, so that every lane reads memory the pool holds."""
+            with T.serial(0, PAGE) as lane:
+                at = T.Bind(p * PAGE + T.min(lane, n - 1))
+                where = T.Bind(
+                    T.if_then_else(at < mapped, at, path_positions[path + T.max(at - mapped, 0)])
+                )
+                base = T.Bind(block(page_values[first + where // PAGE], g))
+                T.buffer_store(k_src, base + T.cast(where % PAGE, "int64"), [lane])
+                T.buffer_store(v_src, base + v_offset + T.cast(where % PAGE * d, "int64"), [lane])
+
         def block(page, g):
             """Where KV head g's keys start in ``layer``'s ``page``."""
             return ((layer * num_pages + T.cast(page, "int64")) * 2 * h_kv + g) * PAGE * d
@@ -158,7 +207,7 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
             line = T.address_of(flat[at])
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", line, 0, 3, 1))
 
-        def scores(k_base, n, heads: range, qv, acc, s, ahead) -> None:
+        def scores(key_at, n, heads: range, qv, acc, s, ahead) -> None:
             """``s[i]``: query head i's scores of the page's keys (those past ``n`` masked), for
             the heads in ``heads``, which share each key vector. With ``ahead``, the key and
             value lines of the next page (at ``ahead``) are asked for, one of each per key
@@ -173,7 +222,7 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                     if ahead is not None:
                         prefetch(ahead + line)
                         prefetch(ahead + v_offset + line)
-                    keys = T.Bind(vec(flat, k_base + line))
+                    keys = T.Bind(key_at(line))
                     for i, head in enumerate(heads):
                         query = tirx.Broadcast(qv[head][c * span + f], PAGE)
                         _store(acc[i], c * PAGE, _fma(query, keys, vec(acc[i], c * PAGE)))
@@ -184,9 +233,9 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                 masked = tirx.Broadcast(T.float32(_MASKED), PAGE)
                 _store(s, head * PAGE, T.Select(valid, total, masked))
 
-        def fold(v_base, n, i: int, s, o, lsum, top) -> None:
+        def fold(value_at, n, i: int, s, o, lsum, top) -> None:
             """Query head i's page: its scores into the running softmax, its first ``n`` value
-            rows into the running output."""
+            rows (value row j at ``value_at(j)``) into the running output."""
             most = T.Bind(horizontal(T.max, vec(s, i * PAGE), PAGE))
             with T.If(most > top[i]), T.Then():  # a new running max: rescale the sums so far
                 rescale = T.Bind(tirx.Broadcast(exp2(top[i] - most), PAGE))
@@ -199,13 +248,13 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                 T.buffer_store(s, exp2(s[at] - top[i]), [at])
                 T.buffer_store(lsum, lsum[at] + s[at], [at])
             with T.serial(0, n) as j:  # the row's last page: only the values up to it
-                add_value(v_base, i, j, s, o[i])
+                add_value(value_at(j), i, j, s, o[i])
 
-        def add_value(v_base, i: int, j, s, out) -> None:
-            """Value row j times query head i's weight of it, added to its output ``out``."""
+        def add_value(v_row, i: int, j, s, out) -> None:
+            """Value row j (at ``v_row``) times query head i's weight of it, added to ``out``."""
             weight = tirx.Broadcast(s[i * PAGE + j], PAGE)
             for c in range(vecs):
-                value = vec(flat, v_base + j * d + c * PAGE)
+                value = vec(flat, v_row + c * PAGE)
                 _store(out, c * PAGE, _fma(weight, value, vec(out, c * PAGE)))
 
         with T.sblock("root"), T.parallel(0, rows * h_kv) as task:

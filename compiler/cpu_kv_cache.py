@@ -23,8 +23,18 @@ from .cpu_rope import rope_split
 
 # The ``kv`` argument of a CPU artifact's functions, in this order (``runtime/kv_cache.py``
 # builds it): the pages, then per new row its position and slot, per sequence its rows and
-# pages (index pointers), and the pages' ids.
-KV_INPUTS = ("pages", "positions", "slots", "q_indptr", "page_indptr", "page_values")
+# pages (index pointers), the pages' ids, and per row the positions of its draft-tree path
+# (index pointers; ``cpu_attention``).
+KV_INPUTS = (
+    "pages",
+    "positions",
+    "slots",
+    "q_indptr",
+    "page_indptr",
+    "page_values",
+    "path_indptr",
+    "path_positions",
+)
 
 
 class CPUKVCache:
@@ -57,6 +67,8 @@ class CPUKVCache:
             "q_indptr": indptr,
             "page_indptr": indptr,
             "page_values": nn.spec.Tensor(["nnz_pages"], "int32"),
+            "path_indptr": nn.spec.Tensor(["rows_plus_1"], "int32"),
+            "path_positions": nn.spec.Tensor(["nnz_path"], "int32"),
         }
         return [tensors[name] for name in KV_INPUTS]
 
@@ -102,7 +114,14 @@ class _Forward:
         out = op.tensor_ir_op(
             self.cache.attention,
             "paged_attention_cpu",
-            [q, self.result, *(t[name] for name in KV_INPUTS[3:]), t["positions"], layer],
+            [
+                q,
+                self.result,
+                *(t[name] for name in ("q_indptr", "page_indptr", "page_values", "positions")),
+                t["path_indptr"],
+                t["path_positions"],
+                layer,
+            ],
             nn.Tensor.placeholder((b * s, h_q, d), dtype),
         )
         return op.reshape(out, (b, s, h_q, d))

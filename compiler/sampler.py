@@ -20,6 +20,9 @@ request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
     their ``TOP_CANDIDATES`` largest logits (``fits[i]`` 1; greedy rows always fit), found
     without a sort (``cpu_top_k``); the runtime calls it when every sampled row has
     ``0 < top_k <= TOP_CANDIDATES`` and falls back to the sort where a row does not fit.
+``top_tokens(logits)`` (CPU artifacts)
+    ``(tokens, probs)``: each row's ``MAX_TREE_WIDTH`` most probable tokens (ties: lower index
+    first) and their probabilities at temperature 1, what a draft tree expands a node with.
 ``sample_from_probs(probs, uniforms)``
     inverse-CDF sampling scaled by each row's own total; a zero-probability token is never
     returned.
@@ -38,11 +41,17 @@ from __future__ import annotations
 import tvm
 from tvm import relax as rx
 from tvm import te, tirx, topi
+from tvm.script import tirx as T
 
-from mlc_spec.runtime.artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
+from mlc_spec.runtime.artifact import (
+    CPU_SAMPLER_FUNCTIONS,
+    MAX_TREE_WIDTH,
+    SAMPLER_FUNCTIONS,
+    TOP_CANDIDATES,
+)
 
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
-(PROBS_TOP_CANDIDATES,) = CPU_SAMPLER_FUNCTIONS
+PROBS_TOP_CANDIDATES, TOP_TOKENS = CPU_SAMPLER_FUNCTIONS
 
 F32, I32 = "float32", "int32"
 _ZERO = tirx.const(0, F32)
@@ -64,6 +73,7 @@ def attach_sampler(
     _add_verify(bb, v, VERIFY_POINT, sampled_draft=False)
     if cpu:
         _add_probs_top_candidates(bb, v)
+        _add_top_tokens(bb, v)
     return bb.finalize()
 
 
@@ -88,6 +98,54 @@ def _add_probs_top_candidates(bb: rx.BlockBuilder, vocab_size: int | None) -> No
     params = _cut_params(vocab_size)
     n, v = params[0].ty.shape
     _function(bb, PROBS_TOP_CANDIDATES, params, lambda: _top_candidates(bb, n, v, *params))
+
+
+def _add_top_tokens(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    from .cpu_top_k import top_candidates  # noqa: PLC0415 - its TVMScript needs the vocab
+
+    n, v = _sizes("n", vocab_size)
+    logits = _arg("logits", [n, v], F32)
+
+    def body() -> rx.Expr:
+        kernel = top_candidates(v, MAX_TREE_WIDTH).with_attr("global_symbol", "top_tree_tokens")
+        kernel = bb.add_func(kernel, "top_tree_tokens")
+        tokens = bb.emit(rx.call_tir(kernel, [logits], rx.TensorType([n, MAX_TREE_WIDTH], I32)))
+        probs = _te(bb, _softmax, logits)
+        gather = bb.add_func(_gather_rows(v, MAX_TREE_WIDTH), "gather_rows")
+        picked = rx.call_tir(gather, [probs, tokens], rx.TensorType([n, MAX_TREE_WIDTH], F32))
+        return rx.Tuple([tokens, bb.emit(picked)])
+
+    _function(bb, TOP_TOKENS, [logits], body)
+
+
+def _softmax(logits: te.Tensor) -> te.Tensor:
+    e = _row_exp(logits)
+    n, v = e.shape
+    k = te.reduce_axis((0, v), name="k")
+    total = te.compute((n,), lambda i: te.sum(e[i, k], axis=k), name="total")
+    return te.compute(e.shape, lambda i, j: e[i, j] / total[i], name="softmax")
+
+
+def _gather_rows(v: tirx.PrimExpr, width: int) -> tirx.PrimFunc:
+    """x [n, v], columns [n, width] -> x at each row's columns (0 where a column is -1). Its
+    reads depend on the data, so it is a kernel of its own, not a TE gather."""
+
+    @T.prim_func(s_tir=True)
+    def gather_rows(var_x: T.handle, var_columns: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "op_pattern": 8})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, v), F32)
+        columns = T.match_buffer(var_columns, (n, width), I32)
+        out = T.match_buffer(var_out, (n, width), F32)
+        for i in range(n):
+            with T.sblock("row"):
+                T.reads(x[i, 0:v], columns[i, 0:width])
+                T.writes(out[i, 0:width])
+                for j in range(width):
+                    column: T.let[T.int32] = columns[i, j]
+                    out[i, j] = T.if_then_else(column >= 0, x[i, T.max(column, 0)], T.float32(0))
+
+    return gather_rows
 
 
 def _cut_params(vocab_size: int | None) -> list[rx.Var]:

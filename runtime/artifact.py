@@ -20,7 +20,7 @@ from mlc_spec.errors import UserError
 CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # How the linear layers treat activations (``mlc-spec compile --activations``): ``float``, or
 # ``int8``, quantized per row and weight group for integer dot products with quantized weights.
 ACTIVATIONS = ("float", "int8")
@@ -35,9 +35,11 @@ SAMPLER_FUNCTIONS = (
     "verify_point_draft",
 )
 # CPU artifacts also have top-k without a sort: exact where each row's top-k set lies within
-# its TOP_CANDIDATES largest logits (it says so per row; the runtime falls back otherwise).
-CPU_SAMPLER_FUNCTIONS = ("probs_from_logits_top_candidates",)
+# its TOP_CANDIDATES largest logits (it says so per row; the runtime falls back otherwise), and
+# each row's MAX_TREE_WIDTH most probable tokens, which a draft tree's node expands.
+CPU_SAMPLER_FUNCTIONS = ("probs_from_logits_top_candidates", "top_tokens")
 TOP_CANDIDATES = 128
+MAX_TREE_WIDTH = 8
 MODEL_FUNCTIONS = ("prefill", "decode", "evaluate_multi_query")
 # How the model functions reach their KV cache: "pages", a page pool and page tables passed in
 # (CPU artifacts; ``runtime/kv_cache.py`` keeps the tables), or "tvm", TVM's KV cache object,

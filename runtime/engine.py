@@ -10,8 +10,11 @@ A step reads as schedule -> execute -> commit -> process:
             target.decode when nothing was drafted (with the plan's prompt chunk, a prefill
             of every row), else evaluate_multi_query over [pending token + drafts] of every
             sequence (ragged) and the compiled verification (runtime/sampler.py) -> accepted
-            prefix + one corrected/bonus token per sequence
-  commit    popn the rejected tokens (the proposer rolls back its own); statistics, and what
+            prefix + one corrected/bonus token per sequence; a draft tree is verified in the
+            same pass, each node over its own path, and accepted by walking down it
+            (runtime/draft_tree.py)
+  commit    keep the accepted tokens' K/V, drop the rest (the proposer rolls back its own;
+            a tree's accepted path moves into place); statistics, and what
             the scheduler's policy learns (acceptance, step costs); token ids appended up to
             EOS, a stop token or max_tokens; finished sequences free their pages at once
   process   logprobs, text, stop strings, and the increments the caller streams
@@ -41,6 +44,7 @@ import tvm.runtime
 
 from mlc_spec.errors import UserError
 
+from .draft_tree import greedy_walk, sampled_walk
 from .logprobs import token_logprobs
 from .metrics import SpecStats, Timers
 from .model import Model, release_pooled_buffers
@@ -74,6 +78,7 @@ class PrefillResult:
 class StepResult:
     num_draft: np.ndarray  # drafts verified per sequence
     accepted: np.ndarray
+    kept: list[list[int]]  # per sequence, the accepted drafts (numbered from 1)
     emitted: list[np.ndarray]  # accepted drafts + the target's token, per sequence
     rows: list[Rows]  # the target's logits row each emitted token came from, per sequence
     started: float  # perf_counter when execution began
@@ -123,16 +128,17 @@ class Engine:
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.proposer, self.speculative = proposer, speculative
         self.max_k = speculative.max_speculative_tokens if speculative else 0
+        self.max_nodes = speculative.nodes(self.max_k) if speculative else 0
         if config.chunk_time_ratio is not None and not config.chunk_time_ratio > 0:
             raise UserError(f"chunk_time_ratio must be above 0, got {config.chunk_time_ratio}")
         if config.max_num_batched_tokens < 1:
             raise UserError(
                 f"max_num_batched_tokens must be at least 1, got {config.max_num_batched_tokens}"
             )
-        if config.max_batch_size * (self.max_k + 1) > config.prefill_chunk_size:
+        if config.max_batch_size * (self.max_nodes + 1) > config.prefill_chunk_size:
             raise UserError(
                 f"a verify pass of max_batch_size {config.max_batch_size} x "
-                f"(max_speculative_tokens {self.max_k} + 1) tokens exceeds prefill_chunk_size "
+                f"({self.max_nodes} drafts + 1) tokens exceeds prefill_chunk_size "
                 f"{config.prefill_chunk_size}, the most one forward pass takes"
             )
         self.kv = target.create_kv_cache(
@@ -207,7 +213,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length {self.target.context_length}"
             )
-        most_drafts = self.scheduler.most_drafts(params)
+        most_drafts = self.scheduler.most_nodes(params)
         need = params.n * (pages(total + most_drafts + 1, self.kv.page_size) + SEQUENCE_PAGE_SLACK)
         if need > self.capacity_pages or params.n > self.config.max_batch_size:
             raise UserError(
@@ -256,7 +262,11 @@ class Engine:
     def max_sequence_len(self, n: int = 1) -> int:
         """The longest prompt + output each of ``n`` samples may have: the model's context, or
         less where the KV cache cannot hold that much (the bound ``add_request`` checks)."""
-        fit = (self.capacity_pages // n - SEQUENCE_PAGE_SLACK) * self.kv.page_size - self.max_k - 1
+        fit = (
+            (self.capacity_pages // n - SEQUENCE_PAGE_SLACK) * self.kv.page_size
+            - self.max_nodes
+            - 1
+        )
         return min(self.target.context_length, fit)
 
     def occupancy(self) -> Occupancy:
@@ -384,6 +394,7 @@ class Engine:
     def _execute(self, plan: StepPlan) -> StepResult:
         seqs, started = plan.seqs, time.perf_counter()
         drafts: list[np.ndarray] = [np.zeros(0, np.int64)] * len(seqs)
+        parents: list[np.ndarray | None] = [None] * len(seqs)
         draft_probs = None
         asked = [i for i, k in enumerate(plan.num_draft) if k > 0]
         if asked:
@@ -391,24 +402,29 @@ class Engine:
                 proposal = self.proposer.propose(
                     [seqs[i] for i in asked], [plan.num_draft[i] for i in asked]
                 )
-            for i, tokens in zip(asked, proposal.tokens, strict=True):
-                drafts[i] = tokens[: plan.num_draft[i]]
+            for j, (i, tokens) in enumerate(zip(asked, proposal.tokens, strict=True)):
+                if proposal.parents is None:
+                    drafts[i] = tokens[: plan.num_draft[i]]
+                else:  # the proposer grew the tree to the plan's depth
+                    drafts[i], parents[i] = tokens, proposal.parents[j]
             if proposal.probs is not None:
                 draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
-            accepted, emitted, logits = self._verify(seqs, drafts, num_draft, draft_probs)
+            kept, emitted, logits = self._verify(seqs, drafts, parents, draft_probs)
         else:
-            accepted = np.zeros(len(seqs), np.int64)
+            kept = [[] for _ in seqs]
             emitted, logits = self._decode(seqs, plan.chunk)
+        accepted = np.array([len(k) for k in kept], np.int64)
         per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
         starts = np.cumsum(num_draft + 1) - (num_draft + 1)  # each sequence's first logits row
         return StepResult(
             num_draft,
             accepted,
+            kept,
             per_seq,
-            [Rows(logits, a, a + len(t)) for a, t in zip(starts, per_seq, strict=True)],
+            [_rows_of(logits, a, path) for a, path in zip(starts, kept, strict=True)],
             started,
             (ended := time.perf_counter()),
             drafted - started,
@@ -442,20 +458,60 @@ class Engine:
         self,
         seqs: list[Sequence],
         drafts: list[np.ndarray],
-        num_draft: np.ndarray,
+        parents: list[np.ndarray | None],
         draft_probs: DraftProbs | None,
-    ) -> tuple[np.ndarray, np.ndarray, tvm.runtime.Tensor]:
+    ) -> tuple[list[list[int]], np.ndarray, tvm.runtime.Tensor]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
-        ``(accepted per sequence, emitted tokens concatenated, the pass's logits)``."""
+        ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``."""
         with self.timers("verify"):
             inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
-            logits = self.target.evaluate_multi_query(self.kv, [s.seq_id for s in seqs], inputs)
+            trees = [
+                None if p is None else (s.kv_len, np.concatenate([[-1], p]))
+                for s, p in zip(seqs, parents, strict=True)
+            ]
+            ids = [s.seq_id for s in seqs]
+            logits = self.target.evaluate_multi_query(self.kv, ids, inputs, trees)
         with self.timers("sample"):
+            if any(p is not None for p in parents):
+                return (*self._walk_trees(seqs, inputs, trees, logits), logits)
+            num_draft = [len(d) for d in drafts]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
             accepted, emitted = self.target.sampler.verify(
                 logits, [s.params for s in seqs], drafts, draft_probs, uniforms
             )
-        return accepted, emitted, logits
+        return [list(range(1, a + 1)) for a in accepted], emitted, logits
+
+    def _walk_trees(
+        self,
+        seqs: list[Sequence],
+        inputs: list[list[int]],
+        trees: list[tuple[int, np.ndarray] | None],
+        logits: tvm.runtime.Tensor,
+    ) -> tuple[list[list[int]], np.ndarray]:
+        """Acceptance of draft trees (a chain among them is the tree of width 1): the target's
+        argmaxes walked down each tree when every request is greedy, else its processed
+        distributions, read only at the nodes the walk reaches."""
+        chains = [np.arange(-1, len(t) - 1) for t in inputs]
+        parents = [c if t is None else t[1] for c, t in zip(chains, trees, strict=True)]
+        starts = np.cumsum([0, *map(len, inputs)])[:-1]
+        walks = []
+        if all(s.params.greedy for s in seqs):
+            best = self.target.sampler.argmax(logits)
+            for tokens, tree, a in zip(inputs, parents, starts, strict=True):
+                walks.append(greedy_walk(tokens, tree, best[a : a + len(tokens)]))
+        else:
+            row_params = [s.params for s, t in zip(seqs, inputs, strict=True) for _ in t]
+            probs = self.target.sampler.probs(logits, row_params)
+            for seq, tokens, tree, a in zip(seqs, inputs, parents, starts, strict=True):
+                walks.append(
+                    sampled_walk(
+                        tokens,
+                        tree,
+                        lambda node, a=a: np.asarray(Rows(probs, a + node, a + node + 1))[0],
+                        seq.rng.random,
+                    )
+                )
+        return [w.path for w in walks], np.concatenate([w.tokens for w in walks])
 
     def _commit(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Apply a step's outcome to the sequences it advanced. A sequence stopped by a string
@@ -468,13 +524,14 @@ class Engine:
         live = [i for i, s in enumerate(plan.seqs) if not s.finished]
         seqs = [plan.seqs[i] for i in live]
         num_draft, accepted = result.num_draft[live], result.accepted[live]
-        for seq, k, a in zip(seqs, num_draft, accepted, strict=True):
-            self.kv.popn(seq.seq_id, int(k - a))
+        kept = [result.kept[i] for i in live]
+        for seq, k, a, path in zip(seqs, num_draft, accepted, kept, strict=True):
+            self.kv.keep(seq.seq_id, seq.kv_len, [0, *path])
             seq.kv_len += int(a) + 1
             seq.stats.record(int(k), int(a))
             self.stats.record(int(k), int(a))
         if self.proposer is not None:
-            self.scheduler.verified(plan, live, num_draft.tolist(), accepted.tolist())
+            self.scheduler.verified(plan, live, num_draft.tolist(), kept)
         committed = [
             self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
             for i, seq in zip(live, seqs, strict=True)
@@ -561,3 +618,12 @@ class Engine:
             "speculation": self.scheduler.speculation_metrics(),
             **(self.proposer.metrics() if self.proposer else {}),
         }
+
+
+def _rows_of(logits: tvm.runtime.Tensor, start: int, kept: list[int]) -> Rows:
+    """The logits rows the emitted tokens came from: the pending token's, then each accepted
+    draft's (consecutive for a chain; for a tree's path, copied out)."""
+    path = [0, *kept]
+    if path == list(range(len(path))):
+        return Rows(logits, start, start + len(path))
+    return Rows(take(logits, [start + node for node in path]), 0, len(path))

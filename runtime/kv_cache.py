@@ -26,6 +26,7 @@ import tvm_ffi
 
 from mlc_spec.errors import UserError
 
+from .draft_tree import tree_paths
 from .prefix_cache import PrefixCache
 
 
@@ -62,9 +63,22 @@ class PagedKVCache(Protocol):
 
     def available_pages(self) -> int: ...
 
-    def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Any:
+    def forward(
+        self,
+        seq_ids: Sequence[int],
+        lengths: Sequence[int],
+        trees: Sequence[np.ndarray | None] | None = None,
+    ) -> Any:
         """A context manager: append ``lengths[i]`` tokens to each sequence; yields the model
-        functions' ``kv`` argument."""
+        functions' ``kv`` argument. ``trees[i]``, where given, is ``(base, parents)``: sequence
+        i's tokens from position ``base`` on, the new ones last, form a draft tree with these
+        parents (``runtime/draft_tree.py``); each new token attends to the sequence before
+        ``base`` and to its own path, at the position its depth gives."""
+        ...
+
+    def keep(self, seq_id: int, start: int, kept: Sequence[int]) -> None:
+        """Of the tokens from position ``start`` on (a tree's block), keep those at offsets
+        ``kept`` (increasing), moved to ``start``, ``start + 1``, ...; drop the rest."""
         ...
 
 
@@ -183,22 +197,58 @@ class PagePool:
         return len(self._free) + cached
 
     @contextmanager
-    def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple]:
+    def forward(
+        self,
+        seq_ids: Sequence[int],
+        lengths: Sequence[int],
+        trees: Sequence[np.ndarray | None] | None = None,
+    ) -> Iterator[tuple]:
         seqs = [self._seq(s) for s in seq_ids]
+        trees = trees or [None] * len(seqs)
         page = self.page_size
         positions, slots, q_indptr, page_indptr, page_values = [], [], [0], [0], []
-        for seq, n in zip(seqs, lengths, strict=True):
+        path_indptr, path_positions = [0], []
+        for seq, n, tree in zip(seqs, lengths, trees, strict=True):
             self._reserve(seq, seq.length + n)
-            for position in range(seq.length, seq.length + n):
-                positions.append(position)
+            start = seq.length
+            for position in range(start, start + n):
                 slots.append(seq.pages[position // page] * page + position % page)
+            if tree is None:
+                positions += range(start, start + n)
+                path_indptr += [path_indptr[-1]] * n
+            else:
+                base, parents = tree
+                if len(parents) != start + n - base:
+                    raise ValueError("a tree's nodes must end with the forward pass's tokens")
+                for path in tree_paths(parents)[start - base :]:
+                    positions.append(base + len(path) - 1)
+                    # The path's first offsets that equal their depth need no mapping.
+                    moved = next((t for t, at in enumerate(path) if at != t), len(path))
+                    path_positions += [base + at for at in path[moved:]]
+                    path_indptr.append(len(path_positions))
             q_indptr.append(q_indptr[-1] + n)
             page_values += seq.pages
             page_indptr.append(len(page_values))
-        parts = (positions, slots, q_indptr, page_indptr, page_values)
+        path_positions.append(0)  # never read; keeps the tensor non-empty
+        parts = (positions, slots, q_indptr, page_indptr, page_values, path_indptr, path_positions)
         yield (self.pages, *self._tables.tensors(parts))
         for seq, n in zip(seqs, lengths, strict=True):
             seq.length += n
+
+    def keep(self, seq_id: int, start: int, kept: Sequence[int]) -> None:
+        seq = self._seq(seq_id)
+        page = self.page_size
+        layers, num_pages, _, heads, size = self._view.shape
+        # keys feature-major, values slot-major (compiler/cpu_attention.page_layout)
+        keys = self._view.reshape(layers, num_pages, 2, heads, size // page, page)[:, :, 0]
+        values = self._view.reshape(layers, num_pages, 2, heads, page, size // page)[:, :, 1]
+        for to, offset in enumerate(kept):
+            if offset != to:  # offsets increase, so a source is never overwritten before use
+                src, dst = start + offset, start + to
+                a, b = seq.pages[src // page], seq.pages[dst // page]
+                keys[:, b, :, :, dst % page] = keys[:, a, :, :, src % page]
+                values[:, b, :, dst % page] = values[:, a, :, src % page]
+        self.popn(seq_id, seq.length - start - len(kept))
 
     def _seq(self, seq_id: int) -> _Sequence:
         try:
@@ -245,6 +295,9 @@ _BUILTINS = (
 )
 
 
+_NO_TREES = "draft trees need a CPU artifact: this CUDA build verifies chains only"
+
+
 class TVMKVCache:
     """TVM's KV cache object ``handle``; a forward pass is bracketed by its
     ``begin_forward``/``end_forward``."""
@@ -282,8 +335,20 @@ class TVMKVCache:
     def available_pages(self) -> int:
         return int(self._f["attention_kv_cache_get_num_available_pages"](self.handle))
 
+    def keep(self, seq_id: int, start: int, kept: Sequence[int]) -> None:
+        if list(kept) != list(range(len(kept))):
+            raise UserError(_NO_TREES)
+        self.popn(seq_id, self.sequence_length(seq_id) - start - len(kept))
+
     @contextmanager
-    def forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> Iterator[object]:
+    def forward(
+        self,
+        seq_ids: Sequence[int],
+        lengths: Sequence[int],
+        trees: Sequence[np.ndarray | None] | None = None,
+    ) -> Iterator[object]:
+        if any(t is not None for t in trees or ()):
+            raise UserError(_NO_TREES)
         self._f["kv_state_begin_forward"](
             self.handle,
             tvm_ffi.Shape([int(s) for s in seq_ids]),

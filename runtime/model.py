@@ -140,8 +140,10 @@ class Model:
             return host_tensor(ids)
         return tvm.runtime.tensor(ids, self.device)
 
-    def _run(self, name: str, kv: PagedKVCache, seq_ids, lengths, *inputs) -> tvm.runtime.Tensor:
-        with kv.forward(seq_ids, lengths) as kv_arg:
+    def _run(
+        self, name: str, kv: PagedKVCache, seq_ids, lengths, *inputs, trees=None
+    ) -> tvm.runtime.Tensor:
+        with kv.forward(seq_ids, lengths, trees) as kv_arg:
             out = self._fn[name](*inputs, kv_arg, self.params)
         return rows.matrix(out[0])
 
@@ -193,15 +195,20 @@ class Model:
         return self._run("decode", kv, seq_ids, [1] * b, self._ids(tokens, (b, 1)))
 
     def evaluate_multi_query(
-        self, kv: PagedKVCache, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]
+        self,
+        kv: PagedKVCache,
+        seq_ids: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        trees: Sequence[tuple[int, np.ndarray] | None] | None = None,
     ) -> tvm.runtime.Tensor:
         """Append several tokens per sequence; logits of every new token, concatenated in
-        sequence order [sum(len), V]."""
+        sequence order [sum(len), V]. ``trees[i]``: sequence i's new tokens are the last nodes
+        of a draft tree rooted at position ``base`` with ``parents`` (``(base, parents)``,
+        ``runtime/draft_tree.py``), not a run of consecutive tokens."""
         lengths = [len(t) for t in tokens]
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
-        return self._run(
-            "evaluate_multi_query", kv, seq_ids, lengths, self._ids(flat, (1, len(flat)))
-        )
+        ids = self._ids(flat, (1, len(flat)))
+        return self._run("evaluate_multi_query", kv, seq_ids, lengths, ids, trees=trees)
 
 
 def chunk_rounds(

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from mlc_spec.errors import UserError
 
+from .artifact import MAX_TREE_WIDTH
+
 
 class ParamsError(UserError, ValueError):
     """Sampling or speculation parameters outside their valid range."""
@@ -80,7 +82,10 @@ class SpeculativeConfig:
     (prompt lookup) or ``suffix`` (suffix trees over the request and earlier requests' outputs,
     with vLLM's ``suffix_decoding_*`` settings). ``num_speculative_tokens`` is what requests that
     do not set their own get: ``"auto"`` (chosen per request and step from measured goodput) or
-    a fixed k (0: off unless a request asks). ``max_speculative_tokens`` caps every request's k."""
+    a fixed k (0: off unless a request asks). ``max_speculative_tokens`` caps every request's k.
+    ``draft_tree_width`` > 1 makes the draft model grow a tree of depth k instead of a chain:
+    each depth keeps the ``width`` most probable continuations (EAGLE-2's dynamic tree), so a
+    step verifies up to ``k x width`` drafts in one pass (``runtime/draft_tree.py``)."""
 
     method: Literal["draft", "ngram", "suffix"]
     num_speculative_tokens: int | Literal["auto"] = "auto"
@@ -96,6 +101,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # Memory for earlier requests' outputs; least recently used ones are evicted past it.
     suffix_decoding_cache_mb: float = 256.0
+    draft_tree_width: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in ("draft", "ngram", "suffix"):
@@ -126,10 +132,26 @@ class SpeculativeConfig:
             raise ParamsError("suffix_decoding_min_token_prob must be in [0, 1]")
         if not self.suffix_decoding_cache_mb >= 0:
             raise ParamsError("suffix_decoding_cache_mb must be >= 0 (0: no shared cache)")
+        if not (isinstance(self.draft_tree_width, int) and self.draft_tree_width >= 1):
+            raise ParamsError(f"draft_tree_width must be an int >= 1, got {self.draft_tree_width}")
+        if self.draft_tree_width > MAX_TREE_WIDTH:
+            raise ParamsError(
+                f"draft_tree_width {self.draft_tree_width} exceeds the artifacts' "
+                f"{MAX_TREE_WIDTH} candidates per node"
+            )
+        if self.draft_tree_width > 1 and (self.method != "draft" or self.auto):
+            raise ParamsError(
+                "draft trees (draft_tree_width > 1) need method 'draft' and a fixed "
+                "num_speculative_tokens (the tree's depth): the automatic policy prices chains"
+            )
 
     @property
     def auto(self) -> bool:
         return self.num_speculative_tokens == "auto"
+
+    def nodes(self, k: int) -> int:
+        """The most drafts a step of depth ``k`` verifies (a chain's k, a tree's k x width)."""
+        return k * self.draft_tree_width
 
     @classmethod
     def parse(

@@ -20,7 +20,7 @@ from .artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
 from .params import SamplingParams
 
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
-(PROBS_TOP_CANDIDATES,) = CPU_SAMPLER_FUNCTIONS
+PROBS_TOP_CANDIDATES, TOP_TOKENS = CPU_SAMPLER_FUNCTIONS
 
 # Uniforms travel as float32, where a float64 draw just below 1 rounds up to 1: clamp below it.
 _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
@@ -80,6 +80,12 @@ class Sampler:
             if fits.numpy().all():  # else ties at a k-th value run past the candidates
                 return probs
         return self._fn[PROBS_TOP_KP](*args)
+
+    def top_tokens(self, logits: tvm.runtime.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ``MAX_TREE_WIDTH`` most probable tokens, most probable first, and their
+        probabilities at temperature 1 (CPU artifacts): ``([N, W] int64, [N, W] float64)``."""
+        tokens, probs = self._fn[TOP_TOKENS](logits)
+        return tokens.numpy().astype(np.int64), probs.numpy().astype(np.float64)
 
     def sample(self, probs: tvm.runtime.Tensor, uniforms: np.ndarray) -> np.ndarray:
         """Inverse-CDF samples, one per row with its own uniform in [0, 1), int64."""

@@ -204,7 +204,7 @@ class Scheduler:
             if isinstance(work, PrefillWork):
                 new = [len(t) for _, t in work.restored + work.fresh]
             else:
-                new = [k + 1 for k in work.num_draft]
+                new = [self.nodes(k) + 1 for k in work.num_draft]
                 if work.chunk is not None:
                     most += self.step_pages(work.chunk.seqs, [len(t) for _, t in work.chunk.fresh])
             most += self.step_pages(work.seqs, new)
@@ -375,7 +375,8 @@ class Scheduler:
         while True:
             seqs = self._decoding()
             caps = [self._draft_cap(s) for s in seqs]
-            need = self.step_pages(seqs, [c + 1 for c in caps]) + self._prefill_reserve()
+            need = self.step_pages(seqs, [self.nodes(c) + 1 for c in caps])
+            need += self._prefill_reserve()
             if need <= self.kv.available_pages() or len(self.running) <= 1:
                 break
             preempted.append(self._preempt_newest())
@@ -438,16 +439,24 @@ class Scheduler:
         pinned = self.pinned_k(params)
         return self.max_k if pinned is None else pinned
 
+    def nodes(self, k: int) -> int:
+        """Drafts a step of ``k`` verifies (a tree's depth k has more)."""
+        return self.speculative.nodes(k) if self.speculative else k
+
+    def most_nodes(self, params: SamplingParams) -> int:
+        """Drafts a request's step may append to the cache before verification."""
+        return self.nodes(self.most_drafts(params))
+
     def _draft_cap(self, seq: Sequence) -> int:
         """Most drafts ``seq`` may take this step: no more than it has tokens left for."""
         return max(0, min(self.most_drafts(seq.params), seq.tokens_left - 1))
 
     # ---- what the policy learns from a step ---------------------------------------------
     def verified(
-        self, plan: StepPlan, rows: Iterable[int], num_draft: list[int], accepted: list[int]
+        self, plan: StepPlan, rows: Iterable[int], num_draft: list[int], kept: list[list[int]]
     ) -> None:
         """Acceptance of plan rows ``rows`` (those still running), ``num_draft[j]`` verified
-        and ``accepted[j]`` accepted for the j-th of them."""
+        and those at ``kept[j]`` accepted for the j-th of them."""
         rows = list(rows)
         seqs = [plan.seqs[i] for i in rows]
         asked = [j for j, k in enumerate(num_draft) if k > 0]
@@ -455,8 +464,9 @@ class Scheduler:
             self.proposer.on_verified(
                 [seqs[j] for j in asked],
                 [num_draft[j] for j in asked],
-                [accepted[j] for j in asked],
+                [kept[j] for j in asked],
             )
+        accepted = [len(path) for path in kept]
         self.acceptance.fade([s.seq_id for s in seqs])
         for seq, k, a, i in zip(seqs, num_draft, accepted, rows, strict=True):
             self.acceptance.observe(seq.seq_id, k, a, plan.acceptance[i])

@@ -1,5 +1,6 @@
 """The CPU attention kernel alone at real models' head shapes: this tree's against a git
-revision's (one whose kernel takes the same arguments: ``paged_attention``, from c3bae87 on).
+revision's (one whose kernel is ``paged_attention``, from c3bae87 on; a version that takes draft
+trees' paths gets none, as a decode step or a chain's verify block does).
 
 An attention change worth 10% of a layer's kernel is a few percent of a step, lost in a
 whole-model run on a shared machine. Here both versions of ``compiler/cpu_attention.py``
@@ -49,16 +50,19 @@ def page_pool(rng: np.random.Generator, keys: int, h_kv: int, d: int) -> list[np
 
 
 def call_arguments(rows: int, context: int, h_q: int, d: int, pool: list, rng) -> tuple:
-    """The kernel's arguments for ``rows`` rows at positions ``context`` on, and the output
-    tensor among them."""
+    """The kernel's arguments for ``rows`` rows at positions ``context`` on, without and with
+    (empty) draft-tree paths, and the output tensor among them."""
     import tvm
 
     q = rng.standard_normal((rows, h_q, d)).astype(np.float32)
     pages, page_indptr, page_values = pool
     positions = np.arange(context, context + rows, dtype=np.int32)
     arrays = [q, pages, np.array([0, rows], np.int32), page_indptr, page_values, positions]
+    paths = [np.zeros(rows + 1, np.int32), np.zeros(1, np.int32)]
     out = tvm.runtime.tensor(np.zeros_like(q))
-    return [*(tvm.runtime.tensor(a) for a in arrays), 0, out], out
+    plain = [tvm.runtime.tensor(a) for a in arrays]
+    with_paths = plain + [tvm.runtime.tensor(a) for a in paths]
+    return {False: [*plain, 0, out], True: [*with_paths, 0, out]}, out
 
 
 def time_calls(kernel, arguments: list) -> float:
@@ -70,10 +74,12 @@ def time_calls(kernel, arguments: list) -> float:
 
 
 def build(module, target, shape: tuple[int, int, int]):
+    """The compiled kernel, and whether it takes draft-tree paths."""
     import tvm
 
     kernel = module.paged_attention(*shape, "float32").with_attr("global_symbol", "main")
-    return tvm.compile(tvm.IRModule({"main": kernel}), target=target)
+    compiled = tvm.compile(tvm.IRModule({"main": kernel}), target=target)
+    return compiled, len(kernel.params) == 10  # q, pages, 4 tables, 2 path tables, layer, out
 
 
 def main() -> None:
@@ -106,10 +112,10 @@ def main() -> None:
             pool = page_pool(rng, args.context + rows, shape[0], shape[2])
             arguments, out = call_arguments(rows, args.context, shape[1], shape[2], pool, rng)
             outputs = []
-            for kernel in kernels.values():
-                kernel(*arguments)
+            for kernel, paths in kernels.values():
+                kernel(*arguments[paths])
                 outputs.append(out.numpy().copy())
-            timers = {v: partial(time_calls, k, arguments) for v, k in kernels.items()}
+            timers = {v: partial(time_calls, k, arguments[p]) for v, (k, p) in kernels.items()}
             medians = alternating_medians(timers, args.rounds)
             a, b = medians["A"] * 1e6, medians["B"] * 1e6
             line = (

@@ -1,11 +1,12 @@
 """End-to-end speed of lossless speculative decoding on HumanEval, against llama.cpp at its best.
 
 Qwen2.5-Coder-1.5B-Instruct generates greedily at batch 1 without speculation, with prompt
-lookup, and with Qwen2.5-Coder-0.5B-Instruct drafting k = 1..8 tokens (or k chosen per step),
-compiled from the GGUFs with ``--quantization`` (default: as shipped). On the same GGUFs and
-prompts llama.cpp (``scripts/llamacpp.py``) runs plainly (``llama-completion``), with the draft
-proposing up to n_max tokens and with its n-gram proposers (``llama-speculative-simple``), each
-with flash attention off and on; transformers (float32) can join (``--only hf,...``).
+lookup, and with Qwen2.5-Coder-0.5B-Instruct drafting k = 1..8 tokens (or k chosen per step) or
+growing draft trees (``TREES``, depth and width; ``runtime/draft_tree.py``), compiled from the
+GGUFs with ``--quantization`` (default: as shipped). On the same GGUFs and prompts llama.cpp
+(``scripts/llamacpp.py``) runs plainly (``llama-completion``), with the draft proposing up to
+n_max tokens and with its n-gram proposers (``llama-speculative-simple``), each with flash
+attention off and on; transformers (float32) can join (``--only hf,...``).
 
 Every configuration takes one turn per round in a child process of its own (loading, one
 untimed warm-up generation, then the prompts one at a time), so no TVM or llama.cpp thread pool
@@ -25,7 +26,7 @@ draft for itself: every draft is accepted, which shows what the machinery costs,
     python scripts/bench_speculative.py [--pair qwen|smollm2-self] [--quantization as-source]
         [--activations float|int8] [--draft-quantization q4] [--draft-lm-head q4]
         [--draft-lm-head-vocab N] [--num-prompts 5] [--max-tokens 64] [--rounds 3]
-        [--fa off,on] [--only nospec,ngram,draft1,...,llama,llama-spec1,...,hf,...]
+        [--fa off,on] [--only nospec,ngram,draft1,...,tree3w2,...,llama,llama-spec1,...,hf,...]
         [--write PATH] [--plot PNG]
 """
 
@@ -60,6 +61,9 @@ from peak_rss import engine_peak_rss, gib
 
 WARMUP_TOKENS = 8
 DRAFT_LENGTHS = range(1, 9)
+# (depth, width) of the draft trees tried: EAGLE-2's dynamic tree keeps `width` nodes a depth.
+TREES = [(3, 2), (4, 2), (5, 2), (3, 3), (4, 3), (3, 4)]
+TREE_GOAL = 1.15  # a tree against the best chain at batch 1 (issue 36)
 STEP_COST_ROUNDS = 9  # medians of the step costs behind the acceptance bound
 # Calls averaged per sample, under the median over rounds: one call per sample was noisy.
 STEP_COST_CALLS = 4
@@ -83,6 +87,13 @@ OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
         "mlc-spec, draft k auto (<= 8)",
         {"method": "draft", "num_speculative_tokens": "auto", "max_speculative_tokens": 8},
     ),
+    **{
+        f"tree{k}w{w}": (
+            f"mlc-spec, draft tree depth {k} width {w}",
+            {"method": "draft", "num_speculative_tokens": k, "draft_tree_width": w},
+        )
+        for k, w in TREES
+    },
 }
 # name: (table label, llama-speculative-simple's speculation flags, or None for llama-completion,
 # whether it needs the draft model)
@@ -480,6 +491,7 @@ def report(
         row(results.get("nospec")),
         row(results.get("ngram")),
         row(family("ours", "draft")),
+        row(family("ours", "tree")),
         row(best([r for r in by_system["llama"] if r.config.name == "llama"])),
         row(family("llama", "llama-spec")),
         row(family("llama", "llama-ngram-simple")),
@@ -571,11 +583,20 @@ def sweeps(results: dict[str, Result]) -> list[str]:
         if points:
             cells = ", ".join(f"{k}: {v:.2f}" for k, v in points)
             lines.append(f"- {label}{f' (-fa {fa})' if fa else ''}, tokens/s: {cells}")
+    trees = [r for r in results.values() if r.config.name.startswith("tree")]
+    if trees:
+        cells = ", ".join(
+            f"{r.config.name.removeprefix('tree')}: {r.speed.mid:.2f} "
+            f"({r.first.mean_accepted_length:.2f} per step)"
+            for r in trees
+        )
+        lines.append(f"- mlc-spec draft trees (depth w width), tokens/s: {cells}")
     others = [
         r
         for r in results.values()
         if r.config.system != "hf"
         and not (r.config.name.removeprefix("draft").isdigit())
+        and not r.config.name.startswith("tree")
         and not r.config.name.removeprefix("llama-spec").isdigit()
     ]
     if others:
@@ -651,16 +672,28 @@ def goals(
 ) -> list[str]:
     """Our best against llama.cpp's best, each by median tokens/s; ours must also reproduce our
     plain decoding."""
+    lines = []
+    plain = results.get("nospec")
+    chain = best([r for r in by_system["ours"] if r.config.name.removeprefix("draft").isdigit()])
+    tree = best([r for r in by_system["ours"] if r.config.name.startswith("tree")])
+    if chain and tree:
+        ratio = tree.speed.mid / chain.speed.mid
+        identical = plain is not None and tree.first.outputs == plain.first.outputs
+        lines.append(
+            f"- Our best tree, {tree.config.label}, is **{ratio:.2f}x** our best chain, "
+            f"{chain.config.label} (goal >= {TREE_GOAL}x with tokens identical to our plain "
+            f"decoding: {verdict(ratio >= TREE_GOAL and identical, load)})"
+        )
     ours, llama = best(by_system["ours"]), best(by_system["llama"])
     if ours is None or llama is None:
-        return []
+        return lines
     ratio = ours.speed.mid / llama.speed.mid
-    plain = results.get("nospec")
     identical = plain is not None and ours.first.outputs == plain.first.outputs
     return [
+        *lines,
         f"- Our best, {ours.config.label}, is **{ratio:.2f}x** llama.cpp's best, "
         f"{llama.config.label} (goal >= {SPEED_GOAL}x with tokens identical to our plain "
-        f"decoding: {verdict(ratio >= SPEED_GOAL and identical, load)})"
+        f"decoding: {verdict(ratio >= SPEED_GOAL and identical, load)})",
     ]
 
 

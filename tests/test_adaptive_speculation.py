@@ -180,6 +180,17 @@ def test_bad_speculation_settings_are_rejected(tiny_llama):
     ):
         with pytest.raises(UserError, match=match):
             _llm(tiny_llama, "suffix", spec=bad)
+    for method, k, width, match in (
+        ("draft", 3, 0, "draft_tree_width must be an int >= 1"),
+        ("draft", 3, 9, "exceeds the artifacts' 8 candidates"),
+        ("draft", AUTO, 2, "fixed num_speculative_tokens"),
+        ("ngram", 3, 2, "need method 'draft'"),
+    ):
+        with pytest.raises(UserError, match=match):
+            _llm(tiny_llama, method, k=k, draft=tiny_llama, spec={"draft_tree_width": width})
+    with pytest.raises(UserError, match=r"max_batch_size 8 x \(24 drafts \+ 1\)"):
+        spec = {"draft_tree_width": 4, "max_speculative_tokens": 6}
+        _llm(tiny_llama, "draft", k=3, draft=tiny_llama, spec=spec, prefill_chunk_size=128)
 
 
 def test_attention_is_not_timed_where_the_cache_cannot_hold_a_long_context(tiny_llama):

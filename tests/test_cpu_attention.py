@@ -36,14 +36,16 @@ def _reference(q, k, v):
 class _Pool:
     """A page pool of ``LAYERS`` layers holding each sequence's K/V on shuffled pages."""
 
-    def __init__(self, rng, lengths, h_kv, d):
-        num_pages = sum(-(-n // PAGE) for n in lengths) + 3
+    def __init__(self, rng, lengths, h_kv, d, given=None):
+        """Random K/V of ``lengths`` tokens per sequence, or the ``given`` (k, v) pairs."""
+        given = given or [rng.standard_normal((2, n, h_kv, d)).astype(np.float32) for n in lengths]
+        num_pages = sum(-(-len(k) // PAGE) for k, _ in given) + 3
         self.pages = np.full((LAYERS, num_pages, 2, h_kv, PAGE * d), np.nan, np.float32)
         order = [int(p) for p in rng.permutation(num_pages)]
         self.tables, self.kv = [], []
-        for n in lengths:
+        for k, v in given:
+            n = len(k)
             table = [order.pop() for _ in range(-(-n // PAGE))]
-            k, v = rng.standard_normal((2, n, h_kv, d)).astype(np.float32)
             for j in range(n):
                 page, slot = self.pages[LAYER, table[j // PAGE]], j % PAGE
                 page[0, :, slot::PAGE] = k[j]  # keys feature-major
@@ -51,14 +53,21 @@ class _Pool:
             self.tables.append(table)
             self.kv.append((k, v))
 
-    def attend(self, f, q, rows):
-        """``rows``: (sequence, position) of each query row, grouped by sequence."""
+    def attend(self, f, q, rows, paths=None):
+        """``rows``: (sequence, position) of each query row, grouped by sequence; ``paths``:
+        per row, where its last positions' keys are (a draft tree's path), or none."""
+        paths = paths or [[] for _ in rows]
+        path_indptr = np.cumsum([0] + [len(p) for p in paths])
+        path_positions = [p for path in paths for p in path] or [0]
         seqs = list(dict.fromkeys(s for s, _ in rows))
         q_indptr = np.cumsum([0] + [sum(s == t for t, _ in rows) for s in seqs])
         page_indptr = np.cumsum([0] + [len(self.tables[s]) for s in seqs])
         values = [p for s in seqs for p in self.tables[s]]
         positions = [p for _, p in rows]
-        ints = [np.asarray(a, np.int32) for a in (q_indptr, page_indptr, values, positions)]
+        ints = [
+            np.asarray(a, np.int32)
+            for a in (q_indptr, page_indptr, values, positions, path_indptr, path_positions)
+        ]
         out = tvm.runtime.tensor(np.zeros_like(q))
         f(*(tvm.runtime.tensor(a) for a in (q, self.pages, *ints)), LAYER, out)
         return out.numpy()
@@ -108,3 +117,34 @@ def test_a_row_is_the_same_in_any_call(kernel):
             pool.attend(f, q[a : min(a + block, 17)], rows[a : min(a + block, 17)]) for a in starts
         ]
         np.testing.assert_array_equal(np.concatenate(parts), alone[:17])
+
+
+def test_a_tree_row_is_the_decode_row_of_its_path(kernel):
+    """A draft tree of 11 nodes appended after a 29-token context (its nodes crossing a page
+    boundary): each node's row attends to the context and its own path, and equals bit for bit
+    the row of a sequence holding that path in order; a sibling's key is NaN-free but wrong, so
+    reading one fails the comparison."""
+    (h_kv, h_q, d), f = kernel
+    rng = np.random.default_rng(2)
+    context, parents = 29, [-1, 0, 0, 1, 1, 2, 3, 3, 5, 8, 9]  # node 0 is the pending token
+    pool = _Pool(rng, [context + len(parents)], h_kv, d)
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    q = rng.standard_normal((len(parents), h_q, d)).astype(np.float32)
+    paths = []
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        paths.append([context + n for n in reversed(path)])
+    rows = [(0, context + depth[n]) for n in range(len(parents))]
+    tree = pool.attend(f, q, rows, paths)
+    k, v = pool.kv[0]
+    for node, path in enumerate(paths):
+        keys = np.concatenate([k[:context], k[path]])
+        values = np.concatenate([v[:context], v[path]])
+        chain = _Pool(rng, [], h_kv, d, given=[(keys, values)])
+        decoded = chain.attend(f, q[node : node + 1], [(0, context + depth[node])])[0]
+        np.testing.assert_array_equal(tree[node], decoded)
+        np.testing.assert_allclose(tree[node], _reference(q[node], keys, values), atol=2e-5)

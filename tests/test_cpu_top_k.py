@@ -10,7 +10,7 @@ import pytest
 import tvm
 from compiled_sampling import cpu_sampler
 
-from mlc_spec.runtime.artifact import TOP_CANDIDATES
+from mlc_spec.runtime.artifact import MAX_TREE_WIDTH, TOP_CANDIDATES
 from mlc_spec.runtime.params import SamplingParams
 from mlc_spec.runtime.sampler import PROBS_TOP_CANDIDATES, PROBS_TOP_KP, Sampler
 
@@ -83,3 +83,22 @@ def test_ties_past_the_candidates_fall_back_to_the_sort():
         {k: f for k, f in sampler._fn.items() if k != PROBS_TOP_CANDIDATES}, sampler.device
     )
     assert np.array_equal(probs, sort_only.probs(tensor, params).numpy())
+
+
+@pytest.mark.parametrize("vocab", [None, 5, 300])
+def test_top_tokens_are_the_most_probable_in_order(vocab):
+    """A draft tree's expansion (``top_tokens``): each row's MAX_TREE_WIDTH most probable tokens,
+    ties by lower id, with their softmax probabilities; -1 and 0 past a row shorter than that."""
+    rng = np.random.default_rng(5)
+    v = vocab or 1000
+    logits = np.round(rng.normal(0, 2, (6, v))).astype(np.float32)  # ties among the top
+    logits[1, : v // 2] = -np.inf
+    tokens, probs = _sampler(vocab).top_tokens(tvm.runtime.tensor(logits))
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :MAX_TREE_WIDTH]
+    width = min(v, MAX_TREE_WIDTH)
+    np.testing.assert_array_equal(tokens[:, :width], order)
+    np.testing.assert_array_equal(tokens[:, width:], -1)
+    exact = np.exp(logits - logits.max(1, keepdims=True))
+    exact /= exact.sum(1, keepdims=True)
+    np.testing.assert_allclose(probs[:, :width], np.take_along_axis(exact, order, 1), rtol=1e-5)
+    np.testing.assert_array_equal(probs[:, width:], 0)

@@ -18,9 +18,11 @@ def _pool(num_pages: int = 8) -> PagePool:
     return PagePool(pages, PAGE)
 
 
-def _tables(pool: PagePool, seq_ids, lengths) -> list[np.ndarray]:
-    with pool.forward(seq_ids, lengths) as kv:
-        return [t.numpy().copy() for t in kv[1:]]
+def _tables(pool: PagePool, seq_ids, lengths, trees=None, paths=False) -> list[np.ndarray]:
+    """positions, slots, q_indptr, page_indptr, page_values (and with ``paths``,
+    path_indptr and path_positions)."""
+    with pool.forward(seq_ids, lengths, trees) as kv:
+        return [t.numpy().copy() for t in kv[1 : 8 if paths else 6]]
 
 
 def test_tables_of_a_forward_pass():
@@ -40,6 +42,35 @@ def test_tables_of_a_forward_pass():
     positions, slots, *_ = _tables(pool, [7], [1])
     np.testing.assert_array_equal(positions, [18])
     np.testing.assert_array_equal(slots, [second * PAGE + 2])
+
+
+def test_tables_of_a_tree_and_keeping_its_path():
+    """A tree of 6 nodes after 14 tokens (root at 14): positions by depth, each node's path
+    mapped from its first node off the chain, then the path 0-2-5 kept: its K/V moved to 15
+    and 16, the rest dropped."""
+    pool = _pool()
+    view = np.from_dlpack(pool.pages).reshape(2, 8, 2, 1, 4, PAGE)  # keys: [feature, slot]
+    pool.add_sequence(0)
+    _tables(pool, [0], [14])
+    parents = np.array([-1, 0, 0, 1, 2, 2])
+    positions, *_, path_indptr, path_positions = _tables(
+        pool, [0], [6], [(14, parents)], paths=True
+    )
+    np.testing.assert_array_equal(positions, [14, 15, 15, 16, 16, 16])
+    # Nodes 0 and 1 sit where decode would put them; node 2's path 0-2 maps its last position
+    # to 16, node 3's 0-1-3 its last to 17, node 4's 0-2-4 its last two to 16 and 18.
+    bounds = zip(path_indptr[:-1], path_indptr[1:], strict=True)
+    paths = [path_positions[a:b].tolist() for a, b in bounds]
+    assert paths == [[], [], [16], [17], [16, 18], [16, 19]]
+    first, second = pool._seqs[0].pages
+    for position in range(14, 20):
+        page = first if position < PAGE else second
+        view[:, page, 0, 0, :, position % PAGE] = position  # each token's keys: its position
+    pool.keep(0, 14, [0, 2, 5])
+    assert pool.sequence_length(0) == 17
+    assert view[0, second, 0, 0, 0, 0] == 19  # node 5 moved from 19 to 16
+    assert view[0, first, 0, 0, 0, 15] == 16  # node 2 moved from 16 to 15
+    assert view[0, first, 0, 0, 0, 14] == 14
 
 
 def test_fork_shares_pages_and_copies_the_one_written():

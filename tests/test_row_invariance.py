@@ -140,12 +140,64 @@ def _check_all_ways(run: _Run, prompt, tokens, vocab: int) -> None:
     np.testing.assert_array_equal(run.keys_and_values(seq), kv)
 
 
+# A draft tree after the pending token (node 0): three children at the root, paths of depth up
+# to 4, sibling branches that cross a page boundary after a 21-token prompt.
+PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 6, 7, 8]
+
+
+def _paths() -> list[list[int]]:
+    paths = []
+    for node, parent in enumerate(PARENTS):
+        paths.append([node] if parent < 0 else [*paths[parent], node])
+    return paths
+
+
+def _check_tree(run: _Run, prompt, vocab: int) -> None:
+    """Each tree node's row equals the decode row of its path, whether the tree is verified in
+    one pass (the target) or grown a depth per pass (the draft); keeping a path leaves the K/V
+    of decoding it, and decoding on from there gives the same rows."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(3, vocab, len(PARENTS))
+    paths = _paths()
+    decoded, kv = [], []
+    for path in paths:
+        rows, seq = _decoded(run, prompt, tokens[path])
+        decoded.append(rows[-1])
+        kv.append(run.keys_and_values(seq))
+        run.kv.remove_sequence(seq)
+
+    seq = run.new(prompt)
+    base = len(prompt)
+    tree = run.model.evaluate_multi_query(run.kv, [seq], [tokens], [(base, np.array(PARENTS))])
+    np.testing.assert_array_equal(tree.numpy(), np.stack(decoded))
+
+    grown = run.new(prompt)  # the root alone, then one depth per pass
+    depth = np.array([len(p) - 1 for p in paths])
+    rows = []
+    for d in range(depth.max() + 1):
+        nodes = np.flatnonzero(depth == d)
+        parents = (base, np.array(PARENTS[: nodes[-1] + 1]))
+        rows.append(run.model.evaluate_multi_query(run.kv, [grown], [tokens[nodes]], [parents]))
+    np.testing.assert_array_equal(np.concatenate([r.numpy() for r in rows]), np.stack(decoded))
+
+    for check in (seq, grown):
+        leaf = 10
+        run.kv.keep(check, base, paths[leaf])
+        np.testing.assert_array_equal(run.keys_and_values(check), kv[leaf])
+    after = rng.integers(3, vocab, 3)
+    rows, plain = _decoded(run, prompt, np.concatenate([tokens[paths[10]], after]))
+    for check in (seq, grown):
+        more = [run.model.decode(run.kv, [check], [int(t)]).numpy()[0] for t in after]
+        np.testing.assert_array_equal(np.stack(more), rows[-len(after) :])
+
+
 def test_every_row_is_bit_identical_however_it_is_computed(artifact):
     run = _Run(artifact)
     vocab = run.model.vocab_size
     rng = np.random.default_rng(0)
     # A prompt ending mid-page, 40 tokens crossing three page boundaries.
     _check_all_ways(run, rng.integers(3, vocab, 21), rng.integers(3, vocab, 40), vocab)
+    _check_tree(run, rng.integers(3, vocab, 21), vocab)
 
 
 @pytest.mark.slow

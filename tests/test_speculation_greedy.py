@@ -45,6 +45,26 @@ def test_draft_model_is_lossless(target, tiny_llama_draft, reference, k):
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
 
+@pytest.mark.parametrize(("k", "width"), [(1, 2), (3, 3), (5, 2)])
+def test_draft_tree_is_lossless(target, tiny_llama_draft, reference, k, width):
+    """Trees verified in one pass, each node over its own path, then the accepted path moved
+    into place in both caches: still the plain output, and accepting more of what was drafted
+    per step than the chain of the same depth does."""
+    spec = {"method": "draft", "num_speculative_tokens": k}
+    chain = LLM(target.artifact, draft_model=tiny_llama_draft.artifact, speculative=spec)
+    assert _token_ids(chain, _prompts()) == reference
+    llm = LLM(
+        target.artifact,
+        draft_model=tiny_llama_draft.artifact,
+        speculative={**spec, "draft_tree_width": width},
+    )
+    assert _token_ids(llm, _prompts()) == reference
+    tree, plain = llm.metrics(), chain.metrics()
+    assert tree["num_draft_tokens"] > plain["num_draft_tokens"]  # several nodes per depth
+    assert tree["num_accepted_tokens"] > plain["num_accepted_tokens"]
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_ngram_is_lossless(target, reference, k):
     llm = LLM(target.artifact, speculative={"method": "ngram", "num_speculative_tokens": k})

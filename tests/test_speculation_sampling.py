@@ -19,6 +19,8 @@ from tiny_models import perturbed_copy
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.options import CompileOptions
+from mlc_spec.runtime import draft_tree
+from mlc_spec.runtime import engine as engine_module
 from mlc_spec.runtime.sampler import Sampler
 
 V = SMALL_VOCAB
@@ -139,6 +141,48 @@ def test_a_draft_scoring_only_some_ids_keeps_the_target_distribution(pair, tmp_p
     joint = exact_joint(target.hf, SamplingParams(**PARAMS["temperature 1"]))
     assert not chi2_rejects(counts.ravel(), joint.ravel())
     assert 0.05 < llm.metrics()["acceptance_rate"] < 0.95
+
+
+def _tree_llm(pair) -> LLM:
+    target, draft = pair
+    spec = {"method": "draft", "num_speculative_tokens": 2, "max_speculative_tokens": 2}
+    spec["draft_tree_width"] = 3
+    return LLM(target.artifact, draft_model=draft.artifact, speculative=spec, max_batch_size=64)
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_draft_tree_sampling_matches_target_distribution(pair, name):
+    """Three children per node, chosen by the draft, accepted by sequential point-mass
+    rejection down the tree: the joint law of three tokens is the target's."""
+    llm = _tree_llm(pair)
+    counts = sample_counts(llm, PARAMS[name])
+    joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS[name]))
+    assert not chi2_rejects(counts.ravel(), joint.ravel())
+    stats = llm.metrics()
+    assert 0.05 < stats["acceptance_rate"] < 0.95, stats
+
+
+def test_broken_tree_rule_is_detected(pair, monkeypatch):
+    """A broken multi-draft rule: a rejected child keeps its mass for the next children and for
+    the final draw (no residual), so the draft's choices are over-represented."""
+
+    def no_residual(tokens, parents, probs, uniform):
+        kids = draft_tree.children(parents)
+        node, path = 0, []
+        while True:
+            p = np.asarray(probs(node), dtype=np.float64)
+            chosen = next((c for c in kids[node] if uniform() < p[tokens[c]]), None)
+            if chosen is None:
+                cdf = np.cumsum(p)
+                token = min(int(np.searchsorted(cdf, uniform() * cdf[-1], side="right")), V - 1)
+                return draft_tree.Walk(path, [tokens[n] for n in path] + [token])
+            path.append(chosen)
+            node = chosen
+
+    monkeypatch.setattr(engine_module, "sampled_walk", no_residual)
+    counts = sample_counts(_tree_llm(pair), PARAMS["temperature 1"])
+    joint = exact_joint(pair[0].hf, SamplingParams(**PARAMS["temperature 1"]))
+    assert chi2_rejects(counts.ravel(), joint.ravel())
 
 
 def test_target_only_sampling_matches_exact_distribution(pair):

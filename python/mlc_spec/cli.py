@@ -176,6 +176,8 @@ def _speculative(method: str, args: argparse.Namespace) -> dict | None:
     spec = {"method": method, "num_speculative_tokens": args.k}
     if args.max_speculative_tokens is not None:
         spec["max_speculative_tokens"] = args.max_speculative_tokens
+    if args.draft_tree_width is not None:
+        spec["draft_tree_width"] = args.draft_tree_width
     return spec
 
 
@@ -215,6 +217,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="most draft tokens any request gets per step (default: max(k, 6))",
+    )
+    p.add_argument(
+        "--draft-tree-width",
+        type=int,
+        default=None,
+        help="with a draft model and a fixed -k: grow a tree of depth k keeping this many "
+        "candidates per depth, verified in one pass (default 1: a chain)",
     )
 
 

@@ -16,10 +16,13 @@ from ..speculation import DraftCosts
 class Proposal:
     """Draft tokens per sequence (each at most the number asked for, possibly none) and the
     distributions they were sampled from, kept on the device, or ``None`` when the proposal is
-    deterministic (a point mass at each draft)."""
+    deterministic (a point mass at each draft). ``parents``, for a draft tree: each draft's
+    parent, 0 for the sequence's pending token and j for its j-th draft (``None``: chains,
+    draft j's parent being j - 1)."""
 
     tokens: list[np.ndarray]
     probs: DraftProbs | None
+    parents: list[np.ndarray] | None = None
 
 
 class Proposer(abc.ABC):
@@ -32,8 +35,9 @@ class Proposer(abc.ABC):
         """Guess up to ``num_tokens[i]`` (>= 1) tokens following ``seqs[i].tokens``."""
 
     @abc.abstractmethod
-    def on_verified(self, seqs: list[Sequence], proposed: list[int], accepted: list[int]) -> None:
-        """The target accepted ``accepted[i]`` of ``proposed[i]`` drafts: roll back the rest."""
+    def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
+        """Of ``proposed[i]`` drafts the target accepted those at ``kept[i]`` (numbered from 1
+        in the proposal's order: a chain's first few, a tree's path): roll back the rest."""
 
     @abc.abstractmethod
     def remove(self, seq: Sequence) -> None:

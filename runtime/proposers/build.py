@@ -46,6 +46,7 @@ def build_proposer(
         config.max_total_len,
         config.prefill_chunk_size,
         config.enable_prefix_caching,
+        spec.draft_tree_width,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import tvm.runtime
 
 from .. import rows
 from ..model import Model
@@ -25,6 +26,12 @@ class DraftModelProposer(Proposer):
     target's distribution gets, as lossless rejection sampling requires; their distributions
     stay on the device for the verification. Greedy drafts of greedy requests are argmaxes, a
     point mass each: no distributions at all.
+
+    With ``tree_width`` > 1 the draft grows a tree instead (``runtime/draft_tree.py``): from the
+    pending token, each depth expands every node of the last depth into its ``tree_width`` most
+    probable tokens and keeps the ``tree_width`` children of highest path probability, one
+    batched pass per depth over the kept nodes (EAGLE-2's dynamic tree). The children are
+    chosen, not sampled, so every request verifies them as point masses.
     """
 
     def __init__(
@@ -34,13 +41,15 @@ class DraftModelProposer(Proposer):
         max_total_len: int,
         prefill_chunk_size: int,
         prefix_cache: bool = False,
+        tree_width: int = 1,
     ):
-        self.model, self.chunk_size = model, prefill_chunk_size
+        self.model, self.chunk_size, self.tree_width = model, prefill_chunk_size, tree_width
         self.kv = model.create_kv_cache(
             max_batch_size, max_total_len, prefill_chunk_size, prefix_cache=prefix_cache
         )
         self.costs = DraftCosts(model=True)
         self._known: set[int] = set()
+        self._trees: dict[int, int] = {}  # a tree's root position, per sequence growing one
 
     def catch_up(self, seq: Sequence) -> int:
         seen = self.kv.sequence_length(seq.seq_id) if seq.seq_id in self._known else 0
@@ -61,8 +70,8 @@ class DraftModelProposer(Proposer):
     def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
         return time_passes(self.model, self.kv, function, passes, self.chunk_size)
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        start = time.perf_counter()
+    def _catch_up(self, seqs: list[Sequence]) -> tvm.runtime.Tensor:
+        """Feed each sequence what the draft has not seen; the logits after its last token."""
         for seq in seqs:
             if seq.seq_id not in self._known:  # from the prefix cache's pages where it can
                 self.kv.add_sequence_with_prefix(seq.seq_id, seq.tokens)
@@ -70,6 +79,15 @@ class DraftModelProposer(Proposer):
         ids = [s.seq_id for s in seqs]
         feeds = [s.tokens[self.kv.sequence_length(s.seq_id) :] for s in seqs]
         logits = self.model.prefill_chunked(self.kv, ids, feeds, self.chunk_size)
+        self._caught_up = sum(map(len, feeds))
+        return logits
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        if self.tree_width > 1:
+            return self._propose_tree(seqs, num_tokens)
+        start = time.perf_counter()
+        ids = [s.seq_id for s in seqs]
+        logits = self._catch_up(seqs)
         sampler, greedy = self.model.sampler, all(s.params.greedy for s in seqs)
         tokens: list[list[int]] = [[] for _ in seqs]
         prob_rows: list[list[int]] = [[] for _ in seqs]
@@ -89,7 +107,7 @@ class DraftModelProposer(Proposer):
             filled += len(active)
             now = time.perf_counter()
             if len(tokens[active[0]]) == 1:
-                self.costs.first.observe(sum(map(len, feeds)), now - start)
+                self.costs.first.observe(self._caught_up, now - start)
             else:
                 self.costs.next.observe(len(active), now - start)
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
@@ -104,10 +122,66 @@ class DraftModelProposer(Proposer):
             probs=None if greedy else DraftProbs(probs, [np.array(r) for r in prob_rows]),
         )
 
-    def on_verified(self, seqs: list[Sequence], proposed: list[int], accepted: list[int]) -> None:
-        # The draft cache holds drafts 1..k-1 (the k-th was never fed); keep the accepted ones.
-        for seq, k, a in zip(seqs, proposed, accepted, strict=True):
-            if k:
+    def _propose_tree(self, seqs: list[Sequence], depths: list[int]) -> Proposal:
+        """A tree per sequence of depth ``depths[i]`` (the class docstring)."""
+        start = time.perf_counter()
+        ids = [s.seq_id for s in seqs]
+        logits = self._catch_up(seqs)
+        width, b = self.tree_width, len(seqs)
+        tokens: list[list[int]] = [[s.tokens[-1]] for s in seqs]  # offset 0: the pending token
+        parents: list[list[int]] = [[-1] for _ in seqs]
+        score: list[list[float]] = [[0.0] for _ in seqs]  # log probability of each path
+        frontier: list[list[int]] = [[0] for _ in seqs]
+        for seq in seqs:
+            self._trees[seq.seq_id] = self.kv.sequence_length(seq.seq_id) - 1
+        active, depth = list(range(b)), 0
+        while True:
+            top, probs = self.model.sampler.top_tokens(logits)
+            row = 0
+            for i in active:
+                candidates = []
+                for node in frontier[i]:
+                    for token, p in zip(top[row, :width], probs[row, :width], strict=True):
+                        if p > 0:
+                            candidates.append((score[i][node] + np.log(p), node, int(token)))
+                    row += 1
+                candidates.sort(key=lambda c: -c[0])  # stable: the earlier node first on ties
+                frontier[i] = []
+                for path_score, node, token in candidates[:width]:
+                    frontier[i].append(len(tokens[i]))
+                    tokens[i].append(token)
+                    parents[i].append(node)
+                    score[i].append(path_score)
+            now = time.perf_counter()
+            if depth == 0:
+                self.costs.first.observe(self._caught_up, now - start)
+            else:
+                self.costs.next.observe(sum(len(frontier[i]) for i in active), now - start)
+            depth += 1
+            active = [i for i in active if depth < depths[i] and frontier[i]]
+            if not active:
+                break
+            start = now
+            logits = self.model.evaluate_multi_query(
+                self.kv,
+                [ids[i] for i in active],
+                [[tokens[i][n] for n in frontier[i]] for i in active],
+                [(self._trees[ids[i]], np.array(parents[i])) for i in active],
+            )
+        return Proposal(
+            tokens=[np.array(t[1:], dtype=np.int64) for t in tokens],
+            probs=None,
+            parents=[np.array(p[1:], dtype=np.int64) for p in parents],
+        )
+
+    def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
+        for seq, k, path in zip(seqs, proposed, kept, strict=True):
+            root = self._trees.pop(seq.seq_id, None)
+            if root is not None:  # the cache holds the tree's nodes but its last depth's
+                fed = self.kv.sequence_length(seq.seq_id) - root - 1
+                self.kv.keep(seq.seq_id, root, [0, *(n for n in path if n <= fed)])
+            elif k:  # the cache holds drafts 1..k-1 (the k-th was never fed): keep accepted ones
+                a = len(path)
                 self.kv.popn(seq.seq_id, (k - 1) - min(a, k - 1))
 
     def remove(self, seq: Sequence) -> None:
@@ -117,3 +191,4 @@ class DraftModelProposer(Proposer):
             self.kv.cache_prefix(seq.seq_id, seq.tokens)
             self.kv.remove_sequence(seq.seq_id)
             self._known.discard(seq.seq_id)
+            self._trees.pop(seq.seq_id, None)

@@ -45,7 +45,7 @@ class ModelFreeProposer(Proposer):
     def warm_up(self, max_rows: int) -> None:
         """Nothing to measure ahead: the lookup's cost is measured per call, and small."""
 
-    def on_verified(self, seqs: list[Sequence], proposed: list[int], accepted: list[int]) -> None:
+    def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
         """Nothing to roll back: the indexes only ever see accepted tokens."""
 
     def remove(self, seq: Sequence) -> None:
