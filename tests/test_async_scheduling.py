@@ -27,7 +27,9 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 def _pair(method: str, k: int, tiny_llama, tiny_llama_draft, **engine) -> tuple[LLM, LLM]:
     """The same engine twice, with async scheduling off and on."""
     spec = None if method == "none" else {"method": method, "num_speculative_tokens": k}
-    draft = tiny_llama_draft.artifact if method == "draft" else None
+    if method == "tree":  # a draft tree of width 3
+        spec = {"method": "draft", "num_speculative_tokens": k, "draft_tree_width": 3}
+    draft = tiny_llama_draft.artifact if method in ("draft", "tree") else None
     return tuple(
         LLM(tiny_llama.artifact, draft_model=draft, speculative=spec, async_scheduling=on, **engine)
         for on in (False, True)
@@ -60,7 +62,8 @@ def _run(llm: LLM, prompts, params=GREEDY) -> list[tuple]:
 
 @pytest.mark.parametrize(
     ("method", "k"),
-    [("none", 0), ("suffix", 3)] + [(m, k) for m in ("ngram", "draft") for k in range(1, 6)],
+    [("none", 0), ("suffix", 3), ("tree", 2), ("tree", 4)]
+    + [(m, k) for m in ("ngram", "draft") for k in range(1, 6)],
 )
 def test_greedy_output_and_acceptance_are_identical(tiny_llama, tiny_llama_draft, method, k):
     sync, on = _pair(method, k, tiny_llama, tiny_llama_draft)
@@ -221,3 +224,26 @@ def test_logprobs_are_identical(tiny_llama, tiny_llama_draft):
         )
     assert scored[0] == scored[1]
     assert all(len(s) == 16 for s in scored[1])
+
+
+def test_draft_tree_logprobs_and_seeded_samples_are_identical(tiny_llama, tiny_llama_draft):
+    """A tree's accepted path reports the logprobs of its own rows (copied out of the verify
+    pass), the same as plain decoding's; seeded sampling down trees is the same with async
+    scheduling on and off."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    plain = LLM(tiny_llama.artifact)
+    scored = []
+    for llm in (plain, *_pair("tree", 3, tiny_llama, tiny_llama_draft)):
+        outs = llm.generate(_prompts(), params)
+        scored.append(
+            [[(t.token_id, t.logprob, t.top) for t in o.outputs[0].logprobs] for o in outs]
+        )
+    assert scored[0] == scored[1] == scored[2]
+    sampled = [
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=seed, ignore_eos=True)
+        for seed in range(5)
+    ]
+    sync, on = _pair("tree", 3, tiny_llama, tiny_llama_draft)
+    expected = _run(sync, _prompts(), sampled)
+    assert _run(on, _prompts(), sampled) == expected
+    assert len({tuple(r[0]) for r in expected}) > 1
