@@ -23,6 +23,9 @@ request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
 ``top_tokens(logits)`` (CPU artifacts)
     ``(tokens, probs)``: each row's ``MAX_TREE_WIDTH`` most probable tokens (ties: lower index
     first) and their probabilities at temperature 1, what a draft tree expands a node with.
+``apply_token_bitmask(logits, bitmask)``
+    ``logits`` with -inf where a row's bitmask (xgrammar's: bit ``j % 32`` of word ``j // 32``
+    of a row, ``[n, ceil(V / 32)]`` int32) disallows token ``j``: a grammar's constraint.
 ``sample_from_probs(probs, uniforms)``
     inverse-CDF sampling scaled by each row's own total; a zero-probability token is never
     returned.
@@ -50,7 +53,7 @@ from mlc_spec.runtime.artifact import (
     TOP_CANDIDATES,
 )
 
-ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
+ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT, MASK = SAMPLER_FUNCTIONS
 PROBS_TOP_CANDIDATES, TOP_TOKENS = CPU_SAMPLER_FUNCTIONS
 
 F32, I32 = "float32", "int32"
@@ -71,6 +74,7 @@ def attach_sampler(
         add(bb, v)
     _add_verify(bb, v, VERIFY_SAMPLED, sampled_draft=True)
     _add_verify(bb, v, VERIFY_POINT, sampled_draft=False)
+    _add_mask(bb, v)
     if cpu:
         _add_probs_top_candidates(bb, v)
         _add_top_tokens(bb, v)
@@ -163,6 +167,23 @@ def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
     n, v = _sizes("n", vocab_size)
     probs, uniforms = _arg("probs", [n, v], F32), _arg("uniforms", [n], F32)
     _function(bb, SAMPLE, [probs, uniforms], lambda: _sample(bb, probs, uniforms))
+
+
+def _add_mask(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+    n, v, w = _sizes("n", vocab_size, "w")
+    logits, bitmask = _arg("logits", [n, v], F32), _arg("bitmask", [n, w], I32)
+    _function(bb, MASK, [logits, bitmask], lambda: _te(bb, _masked, logits, bitmask))
+
+
+def _masked(logits: te.Tensor, bitmask: te.Tensor) -> te.Tensor:
+    """-inf where bit ``j % 32`` of ``bitmask[i, j // 32]`` is 0 (xgrammar's token bitmask)."""
+
+    def keep(i, j):
+        word = bitmask[i, j // 32]
+        allowed = tirx.bitwise_and(tirx.shift_right(word, _i32(j % 32)), 1) == 1
+        return tirx.Select(allowed, logits[i, j], tirx.const(float("-inf"), F32))
+
+    return te.compute(logits.shape, keep, name="masked")
 
 
 def _add_verify(

@@ -33,6 +33,7 @@ SAMPLER_FUNCTIONS = (
     "sample_from_probs",
     "verify_sampled_draft",
     "verify_point_draft",
+    "apply_token_bitmask",
 )
 # CPU artifacts also have top-k without a sort: exact where each row's top-k set lies within
 # its TOP_CANDIDATES largest logits (it says so per row; the runtime falls back otherwise), and

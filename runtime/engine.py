@@ -64,6 +64,7 @@ from .scheduler import (
 )
 from .speculation import CostTable, DraftCosts, StepCosts
 from .speculation.warm_up import attention_costs, record, sizes, time_passes
+from .structured_output import Grammars, unconstrained
 from .tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig"]
@@ -152,6 +153,7 @@ class Engine:
         costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs)
         self.scheduler = Scheduler(config, self.kv, proposer, speculative, costs)
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
+        self.grammars = Grammars(target.path, target.vocab_size, sorted(self.eos_ids))
         self.outputs = OutputProcessor(tokenizer)
         self.stats = SpecStats()
         self.timers = Timers()
@@ -223,6 +225,9 @@ class Engine:
                 f"and {self.config.max_batch_size} sequence slots; raise max_total_len / "
                 "max_batch_size"
             )
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.compile(params.structured_output)
         request = Request(request_id, prompt, ids, params, arrival)
         request.sequences = [
             Sequence(
@@ -233,6 +238,9 @@ class Engine:
             )
             for i in range(params.n)
         ]
+        if grammar is not None:
+            for seq in request.sequences:
+                seq.constraint = self.grammars.constraint(grammar)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -370,7 +378,7 @@ class Engine:
             return PrefillResult([])
         with self.timers("sample"):
             tokens = self.target.sampler.sample_logits(
-                take(logits, rows),
+                self._masked(take(logits, rows), seqs),
                 [s.params for s in seqs],
                 np.array([s.rng.random() for s in seqs]),
             )
@@ -409,10 +417,11 @@ class Engine:
                     drafts[i], parents[i] = tokens, proposal.parents[j]
             if proposal.probs is not None:
                 draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
+        masks = self._grammar_masks(seqs, drafts, parents, draft_probs)
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
-            kept, emitted, logits = self._verify(seqs, drafts, parents, draft_probs)
+            kept, emitted, logits = self._verify(seqs, drafts, parents, draft_probs, masks)
         else:
             kept = [[] for _ in seqs]
             emitted, logits = self._decode(seqs, plan.chunk)
@@ -451,7 +460,8 @@ class Engine:
                 release_pooled_buffers()
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
-            tokens = self.target.sampler.sample_logits(logits, [s.params for s in seqs], uniforms)
+            masked = self._masked(logits, seqs)
+            tokens = self.target.sampler.sample_logits(masked, [s.params for s in seqs], uniforms)
         return tokens, logits
 
     def _verify(
@@ -460,26 +470,74 @@ class Engine:
         drafts: list[np.ndarray],
         parents: list[np.ndarray | None],
         draft_probs: DraftProbs | None,
+        masks: np.ndarray | None,
     ) -> tuple[list[list[int]], np.ndarray, tvm.runtime.Tensor]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
         ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``."""
+        inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
+        trees = [
+            None if p is None else (s.kv_len, np.concatenate([[-1], p]))
+            for s, p in zip(seqs, parents, strict=True)
+        ]
         with self.timers("verify"):
-            inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
-            trees = [
-                None if p is None else (s.kv_len, np.concatenate([[-1], p]))
-                for s, p in zip(seqs, parents, strict=True)
-            ]
             ids = [s.seq_id for s in seqs]
             logits = self.target.evaluate_multi_query(self.kv, ids, inputs, trees)
         with self.timers("sample"):
+            scored = logits if masks is None else self.target.sampler.mask(logits, masks)
             if any(p is not None for p in parents):
-                return (*self._walk_trees(seqs, inputs, trees, logits), logits)
+                return (*self._walk_trees(seqs, inputs, trees, scored), logits)
             num_draft = [len(d) for d in drafts]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
             accepted, emitted = self.target.sampler.verify(
-                logits, [s.params for s in seqs], drafts, draft_probs, uniforms
+                scored, [s.params for s in seqs], drafts, draft_probs, uniforms
             )
         return [list(range(1, a + 1)) for a in accepted], emitted, logits
+
+    # ---- structured output ---------------------------------------------------------------
+    def _masked(self, logits: tvm.runtime.Tensor, seqs: list[Sequence]) -> tvm.runtime.Tensor:
+        """``logits`` (a row per sequence) with each constrained row's grammar mask applied."""
+        if all(s.constraint is None for s in seqs):
+            return logits
+        rows = [
+            unconstrained(1, self.target.vocab_size)
+            if s.constraint is None
+            else s.constraint.masks([s.tokens[-1]], [-1])
+            for s in seqs
+        ]
+        return self.target.sampler.mask(logits, np.concatenate(rows))
+
+    def _grammar_masks(
+        self,
+        seqs: list[Sequence],
+        drafts: list[np.ndarray],
+        parents: list[np.ndarray | None],
+        draft_probs: DraftProbs | None,
+    ) -> np.ndarray | None:
+        """The grammar mask of each row of the coming pass (per sequence its pending token's
+        row, then its drafts'; ``runtime/structured_output.py``), or None without constrained
+        sequences. A model-free chain (point masses) is cut before the first draft the
+        grammar rejects (``drafts[i]`` replaced): the target would reject it anyway. A draft
+        model's drafts are kept (its cache holds them; a sampled draft's rejection sampling
+        needs it), as are a tree's nodes (their parents' rows give them no probability)."""
+        if all(s.constraint is None for s in seqs):
+            return None
+        cuttable = draft_probs is None and not (self.proposer and self.proposer.costs.model)
+        vocab, rows = self.target.vocab_size, []
+        for i, seq in enumerate(seqs):
+            nodes = [seq.tokens[-1], *drafts[i]]
+            if seq.constraint is None:
+                rows.append(unconstrained(len(nodes), vocab))
+                continue
+            chain = parents[i] is None
+            tree = np.concatenate([[-1], np.arange(len(drafts[i])) if chain else parents[i]])
+            masks = seq.constraint.masks(nodes, tree)
+            rejected = ~masks.any(axis=1)
+            if chain and cuttable and rejected.any():
+                keep = max(1, int(np.argmax(rejected)))  # the first node the grammar rejects
+                drafts[i], masks, rejected = drafts[i][: keep - 1], masks[:keep], rejected[:keep]
+            masks[rejected] = -1  # never read: any mask keeps the row's softmax finite
+            rows.append(masks)
+        return np.concatenate(rows)
 
     def _walk_trees(
         self,
@@ -558,8 +616,12 @@ class Engine:
         for token in tokens:
             seq.tokens.append(token)
             kept += 1
+            if seq.constraint is not None and not seq.constraint.accept(token):
+                raise RuntimeError(f"token {token} was emitted against its request's grammar")
             if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
                 seq.finish_reason = "stop"
+            elif seq.constraint is not None and seq.constraint.terminated:
+                seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
             elif seq.tokens_left == 0:
                 seq.finish_reason = "length"
             if seq.finished:

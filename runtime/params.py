@@ -18,6 +18,44 @@ class ParamsError(UserError, ValueError):
     """Sampling or speculation parameters outside their valid range."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate, as vLLM's ``StructuredOutputsParams``:
+    exactly one of a JSON schema (``json``, a dict or its text), any JSON object
+    (``json_object``), a regular expression, one of several strings (``choice``), or an EBNF
+    grammar (GBNF, ``grammar``). Compiled by xgrammar (``runtime/structured_output.py``)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or any(not isinstance(c, str) for c in self.choice):
+                raise ParamsError("choice must be a non-empty list of strings")
+        kinds = [self.json is not None, self.json_object, self.regex is not None]
+        kinds += [self.choice is not None, self.grammar is not None]
+        if sum(kinds) != 1:
+            raise ParamsError(
+                "structured output takes exactly one of json, json_object, regex, choice and "
+                f"grammar, got {sum(kinds)}"
+            )
+
+    @classmethod
+    def parse(cls, value: StructuredOutput | dict[str, Any] | None) -> StructuredOutput | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ParamsError(f"structured_output must be a dict, got {type(value).__name__}")
+        try:
+            return cls(**value)
+        except TypeError as err:
+            raise ParamsError(f"bad structured_output {value!r}: {err}") from None
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request decoding parameters. ``temperature=0`` is greedy decoding."""
@@ -37,8 +75,17 @@ class SamplingParams:
     # Draft tokens per step for this request: None = the engine's setting (automatic by
     # default), 0 = no speculation, k = exactly k (capped by the engine's maximum).
     num_speculative_tokens: int | None = None
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (``StructuredOutput``
+    # or its dict form; ``guided_decoding`` is vLLM's older name for it).
+    structured_output: StructuredOutput | dict[str, Any] | None = None
+    guided_decoding: dataclasses.InitVar[StructuredOutput | dict[str, Any] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding=None) -> None:
+        if guided_decoding is not None:
+            if self.structured_output is not None:
+                raise ParamsError("give structured_output or guided_decoding, not both")
+            self.structured_output = guided_decoding
+        self.structured_output = StructuredOutput.parse(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -18,6 +18,7 @@ from .params import SamplingParams
 
 if TYPE_CHECKING:
     from .output_processor import SequenceOutput
+    from .structured_output import Constraint
 
 
 class Status(enum.Enum):
@@ -44,6 +45,8 @@ class Sequence:
         # seed gives the same output whatever else shares the batch.
         self.rng = np.random.default_rng(entropy)
         self.draft_rng = np.random.default_rng(None if entropy is None else [*entropy, 1])
+        # The request's grammar, following this sample's committed tokens (structured output).
+        self.constraint: Constraint | None = None
 
     @property
     def params(self) -> SamplingParams:

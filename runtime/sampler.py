@@ -19,7 +19,7 @@ import tvm.runtime
 from .artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
 from .params import SamplingParams
 
-ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT = SAMPLER_FUNCTIONS
+ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT, MASK = SAMPLER_FUNCTIONS
 PROBS_TOP_CANDIDATES, TOP_TOKENS = CPU_SAMPLER_FUNCTIONS
 
 # Uniforms travel as float32, where a float64 draw just below 1 rounds up to 1: clamp below it.
@@ -50,6 +50,11 @@ class Sampler:
 
     def _uniforms(self, uniforms) -> tvm.runtime.Tensor:
         return self._put(np.minimum(np.asarray(uniforms, np.float32), _BELOW_ONE), np.float32)
+
+    def mask(self, logits: tvm.runtime.Tensor, bitmask: np.ndarray) -> tvm.runtime.Tensor:
+        """A copy of ``logits`` with -inf at the tokens each row's bitmask disallows
+        (``[N, ceil(V / 32)]`` int32, a grammar's; ``runtime/structured_output.py``)."""
+        return self._fn[MASK](logits, self._put(bitmask, np.int32))
 
     # ---- one token per row ---------------------------------------------------------------
     def argmax(self, logits: tvm.runtime.Tensor) -> np.ndarray:

@@ -1,10 +1,12 @@
 """The OpenAI API schema for what this server answers, as pydantic models.
 
 Requests are validated strictly (a string is not a number) and turned into ``SamplingParams``;
-fields the engine cannot honour (tools, response formats, penalties, logit bias, echo) are
-refused with a 400 rather than silently ignored. Other unknown fields are ignored, as OpenAI's
-own server and vLLM do. ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
-``num_speculative_tokens`` are vLLM-style extra fields.
+fields the engine cannot honour (tools, penalties, logit bias, echo) are refused with a 400
+rather than silently ignored. Other unknown fields are ignored, as OpenAI's own server and vLLM
+do. ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``num_speculative_tokens`` and the
+structured-output fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar`` are vLLM-style extra fields; ``response_format`` (``json_object``,
+``json_schema``) is OpenAI's.
 """
 
 from __future__ import annotations
@@ -52,6 +54,32 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # OpenAI's field is named "schema"; pydantic's BaseModel reserves that attribute name.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the output follows the schema either way
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("type json_schema comes with json_schema, and only it")
+        return self
+
+
+# vLLM's structured-output fields and the ``StructuredOutput`` field each one sets.
+_STRUCTURED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 # What a request that sets none of these gets from a model that recommends none.
 _OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
@@ -79,13 +107,22 @@ class _SamplingRequest(_Request):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _SamplingRequest:
-        for field in ("tools", "tool_choice", "functions", "function_call", "response_format"):
+        for field in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, field) is not None:
                 raise ValueError(f"'{field}' is not supported: this server returns plain text")
+        given = [f for f in _STRUCTURED if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"give one structured-output constraint, not {' and '.join(given)}")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:
@@ -127,7 +164,20 @@ class _SamplingRequest(_Request):
             n=self.n,
             logprobs=self._logprobs(),
             num_speculative_tokens=self.num_speculative_tokens,
+            structured_output=self._structured_output(),
         )
+
+    def _structured_output(self) -> dict[str, Any] | None:
+        """The request's constraint in ``StructuredOutput``'s form, or None."""
+        for field, kind in _STRUCTURED.items():
+            if getattr(self, field) is not None:
+                return {kind: getattr(self, field)}
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.type == "json_object":
+            return {"json_object": True}
+        return {"json": response_format.json_schema.json_schema}
 
     @abstractmethod
     def _max_tokens(self, room: int) -> int: ...

@@ -259,10 +259,26 @@ def test_64_concurrent_streams(server, tiny_llama):
             "/v1/chat/completions",
             {
                 "messages": [{"role": "user", "content": "w5"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objectx"}},
+                },
             },
             400,
-            "'response_format' is not supported",
+            "invalid JSON schema",
+        ),
+        ("/v1/completions", {"prompt": "w5", "guided_regex": "(open"}, 400, "invalid regex"),
+        (
+            "/v1/completions",
+            {"prompt": "w5", "guided_regex": "a+", "guided_choice": ["b"]},
+            400,
+            "give one structured-output constraint",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "w5", "response_format": {"type": "json_schema"}},
+            400,
+            "json_schema",
         ),
         ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "does not exist"),
         ("/v1/embeddings", {}, 404, "Not Found"),
