@@ -417,14 +417,15 @@ class Engine:
                     drafts[i], parents[i] = tokens, proposal.parents[j]
             if proposal.probs is not None:
                 draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
-        masks = self._grammar_masks(seqs, drafts, parents, draft_probs)
+        with self.timers("grammar"):
+            masks = self._grammar_masks(seqs, drafts, parents, draft_probs)
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
             kept, emitted, logits = self._verify(seqs, drafts, parents, draft_probs, masks)
         else:
             kept = [[] for _ in seqs]
-            emitted, logits = self._decode(seqs, plan.chunk)
+            emitted, logits = self._decode(seqs, plan.chunk, masks)
         accepted = np.array([len(k) for k in kept], np.int64)
         per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
         starts = np.cumsum(num_draft + 1) - (num_draft + 1)  # each sequence's first logits row
@@ -441,11 +442,12 @@ class Engine:
         )
 
     def _decode(
-        self, seqs: list[Sequence], chunk: PrefillWork | None
+        self, seqs: list[Sequence], chunk: PrefillWork | None, masks: np.ndarray | None
     ) -> tuple[np.ndarray, tvm.runtime.Tensor]:
         """The plain step: one token per sequence, no draft forward, no verification;
-        ``(tokens, logits)``. A prompt ``chunk`` is computed in the same pass, as a prefill
-        of every sequence (a row is the same in either function, docs/exactness.md)."""
+        ``(tokens, logits)``, each row sampled under its grammar's ``masks`` where given. A
+        prompt ``chunk`` is computed in the same pass, as a prefill of every sequence (a row is
+        the same in either function, docs/exactness.md)."""
         with self.timers("decode"):
             ids, pending = [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
             if chunk is None:
@@ -460,7 +462,7 @@ class Engine:
                 release_pooled_buffers()
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
-            masked = self._masked(logits, seqs)
+            masked = logits if masks is None else self.target.sampler.mask(logits, masks)
             tokens = self.target.sampler.sample_logits(masked, [s.params for s in seqs], uniforms)
         return tokens, logits
 
@@ -498,13 +500,14 @@ class Engine:
         """``logits`` (a row per sequence) with each constrained row's grammar mask applied."""
         if all(s.constraint is None for s in seqs):
             return logits
-        rows = [
-            unconstrained(1, self.target.vocab_size)
-            if s.constraint is None
-            else s.constraint.masks([s.tokens[-1]], [-1])
-            for s in seqs
-        ]
-        return self.target.sampler.mask(logits, np.concatenate(rows))
+        with self.timers("grammar"):
+            rows = [
+                unconstrained(1, self.target.vocab_size)
+                if s.constraint is None
+                else s.constraint.masks([s.tokens[-1]], [-1])
+                for s in seqs
+            ]
+            return self.target.sampler.mask(logits, np.concatenate(rows))
 
     def _grammar_masks(
         self,

@@ -131,6 +131,12 @@ HEADLINE = (
         "`python scripts/bench_suffix.py --write docs/benchmarks.md`",
     ),
     Group(
+        "Structured output with speculation: JSON extraction with and without the schema",
+        rf"bench_structured-.+{_CPU}",
+        2,
+        "`python scripts/bench_structured.py --write docs/benchmarks.md` (and `--pair qwen`)",
+    ),
+    Group(
         "Replicas behind sglang-router against one server",
         rf"bench_router{_CPU}",
         1,

@@ -422,3 +422,29 @@ def test_the_openai_client_gets_structured_output(smollm2_int8):
         )
         assert choice.choices[0].message.content in COLORS
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1, 2])
+def test_draft_model_drafts_follow_the_grammar(smollm2_int8, smollm2, width):
+    """The draft's rows are masked too: every drafted path (chain or tree) is grammatical."""
+    llm = LLM(
+        smollm2_int8,
+        draft_model=smollm2,
+        speculative={"method": "draft", "num_speculative_tokens": 4, "draft_tree_width": width},
+    )
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Name six colors:")
+    colors = "(red|blue|green|black)"
+    request = engine.add_request(prompt, _params({"regex": f"{colors}(, {colors}){{5}}"}))
+    while not request.sequences[0].num_output:
+        engine.step()
+    seq = request.sequences[0]
+    proposal = engine.proposer.propose([seq], [4])
+    drafts = proposal.tokens[0]
+    chain = np.arange(len(drafts))
+    parents = chain if proposal.parents is None else proposal.parents[0]
+    masks = seq.constraint.masks([seq.tokens[-1], *drafts], np.concatenate([[-1], parents]))
+    assert len(drafts) >= 4 and masks.any(axis=1).all()
+    engine.proposer.on_verified([seq], [len(drafts)], [[]])
+    engine.abort(request.request_id)

@@ -13,6 +13,7 @@ from ..request import Sequence
 from ..sampler import DraftProbs
 from ..speculation import DraftCosts
 from ..speculation.warm_up import CATCH_UP_STRIDE, record, sizes, spread, time_passes
+from ..structured_output import unconstrained
 from .base import Proposal, Proposer
 
 
@@ -25,7 +26,10 @@ class DraftModelProposer(Proposer):
     Drafts are sampled with each request's own temperature/top-k/top-p, the same processing the
     target's distribution gets, as lossless rejection sampling requires; their distributions
     stay on the device for the verification. Greedy drafts of greedy requests are argmaxes, a
-    point mass each: no distributions at all.
+    point mass each: no distributions at all. A request with a grammar (structured output)
+    gets its drafts from the draft's rows masked by the grammar's state after the drafts before
+    (``runtime/structured_output.py``), so they are grammatical, and a sampled draft's recorded
+    distribution is the masked one it was drawn from.
 
     With ``tree_width`` > 1 the draft grows a tree instead (``runtime/draft_tree.py``): from the
     pending token, each depth expands every node of the last depth into its ``tree_width`` most
@@ -95,6 +99,8 @@ class DraftModelProposer(Proposer):
         active, filled = list(range(len(seqs))), 0
         while True:
             u = np.array([seqs[i].draft_rng.random() for i in active])
+            paths = [[seqs[i].tokens[-1], *tokens[i]] for i in active]
+            logits = self._masked(logits, [seqs[i] for i in active], paths)
             if greedy:
                 sampled = sampler.argmax(logits)
             else:
@@ -136,7 +142,9 @@ class DraftModelProposer(Proposer):
             self._trees[seq.seq_id] = self.kv.sequence_length(seq.seq_id) - 1
         active, depth = list(range(b)), 0
         while True:
-            top, probs = self.model.sampler.top_tokens(logits)
+            paths = [_path(tokens[i], parents[i], node) for i in active for node in frontier[i]]
+            rows_of = [seqs[i] for i in active for _ in frontier[i]]
+            top, probs = self.model.sampler.top_tokens(self._masked(logits, rows_of, paths))
             row = 0
             for i in active:
                 candidates = []
@@ -174,6 +182,22 @@ class DraftModelProposer(Proposer):
             parents=[np.array(p[1:], dtype=np.int64) for p in parents],
         )
 
+    def _masked(
+        self, logits: tvm.runtime.Tensor, seqs: list[Sequence], paths: list[list[int]]
+    ) -> tvm.runtime.Tensor:
+        """Row j of ``logits`` masked by ``seqs[j]``'s grammar after the tokens of ``paths[j]``
+        (its pending token first), where it has one."""
+        if all(s.constraint is None for s in seqs):
+            return logits
+        vocab, masks = self.model.vocab_size, []
+        for seq, path in zip(seqs, paths, strict=True):
+            if seq.constraint is None:
+                masks.append(unconstrained(1, vocab))
+                continue
+            row = seq.constraint.masks(path, np.arange(-1, len(path) - 1))[-1:]
+            masks.append(row if row.any() else unconstrained(1, vocab))
+        return self.model.sampler.mask(logits, np.concatenate(masks))
+
     def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
         for seq, k, path in zip(seqs, proposed, kept, strict=True):
             root = self._trees.pop(seq.seq_id, None)
@@ -192,3 +216,12 @@ class DraftModelProposer(Proposer):
             self.kv.remove_sequence(seq.seq_id)
             self._known.discard(seq.seq_id)
             self._trees.pop(seq.seq_id, None)
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from a tree's root to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
