@@ -18,8 +18,8 @@ xgrammar imports torch: it is loaded on the first constrained request, not befor
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,22 +56,29 @@ class Grammars:
     def __init__(self, tokenizer_dir: str | Path, vocab_size: int, stop_token_ids: Sequence[int]):
         self.vocab_size = vocab_size
         self._args = (Path(tokenizer_dir), vocab_size, list(stop_token_ids))
+        self._lock = threading.Lock()  # the server compiles off the engine thread too
+        self._compiler: Any = None
 
-    @functools.cached_property
-    def _compiler(self) -> Any:
+    def _grammar_compiler(self) -> Any:
         from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - heavy; rarely needed
 
-        xgr = _xgrammar()
-        tokenizer_dir, vocab_size, stops = self._args
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"))
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None
-        )
-        return xgr.GrammarCompiler(info, max_threads=2)
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                tokenizer_dir, vocab_size, stops = self._args
+                tokenizer = PreTrainedTokenizerFast(
+                    tokenizer_file=str(tokenizer_dir / "tokenizer.json")
+                )
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
 
     def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of ``spec``; a ``UserError`` that says what is wrong with it."""
-        compiler = self._compiler
+        """The compiled grammar of ``spec`` (cached: the same constraint compiles once); a
+        ``UserError`` that says what is wrong with it. Thread-safe."""
+        compiler = self._grammar_compiler()
         try:
             if spec.json is not None:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

@@ -84,6 +84,10 @@ class AsyncEngine:
     async def add(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request. Raises UserError (bad input) or Overloaded (queue full)."""
         loop = asyncio.get_running_loop()
+        if params.structured_output is not None:
+            # Compiled here, off the engine thread (xgrammar caches it for the engine's own
+            # compile): a first import or a large schema would otherwise stall every stream.
+            await loop.run_in_executor(None, self.engine.grammars.compile, params.structured_output)
         request_id = f"req-{next(self._ids)}"
         added = loop.create_future()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic(), len(prompt_ids))
