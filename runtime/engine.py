@@ -376,9 +376,13 @@ class Engine:
             rows += [row] * len(parent.request.sequences)
         if not seqs:
             return PrefillResult([])
+        with self.timers("grammar"):
+            none = [np.zeros(0, np.int64)] * len(seqs)
+            masks = self._grammar_masks(seqs, none, [None] * len(seqs), None)
         with self.timers("sample"):
+            first = take(logits, rows)
             tokens = self.target.sampler.sample_logits(
-                self._masked(take(logits, rows), seqs),
+                first if masks is None else self.target.sampler.mask(first, masks),
                 [s.params for s in seqs],
                 np.array([s.rng.random() for s in seqs]),
             )
@@ -496,19 +500,6 @@ class Engine:
         return [list(range(1, a + 1)) for a in accepted], emitted, logits
 
     # ---- structured output ---------------------------------------------------------------
-    def _masked(self, logits: tvm.runtime.Tensor, seqs: list[Sequence]) -> tvm.runtime.Tensor:
-        """``logits`` (a row per sequence) with each constrained row's grammar mask applied."""
-        if all(s.constraint is None for s in seqs):
-            return logits
-        with self.timers("grammar"):
-            rows = [
-                unconstrained(1, self.target.vocab_size)
-                if s.constraint is None
-                else s.constraint.masks([s.tokens[-1]], [-1])
-                for s in seqs
-            ]
-            return self.target.sampler.mask(logits, np.concatenate(rows))
-
     def _grammar_masks(
         self,
         seqs: list[Sequence],

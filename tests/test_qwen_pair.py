@@ -89,3 +89,40 @@ def test_int8_pair_is_lossless_for_every_k(qwen_pair):
     for k in [*range(1, 9), "auto"]:
         spec = {"method": "draft", "num_speculative_tokens": k, "max_speculative_tokens": 8}
         assert outputs(draft_model=draft, speculative=spec) == plain, k
+
+
+def test_int8_pair_trees_and_structured_output_through_the_openai_client():
+    """Draft trees, and a JSON schema through the real openai client with the draft speculating
+    (chains and a tree): the constrained plain output, token for token."""
+    from served import serving
+
+    target = compiled("qwen2.5-coder-1.5b-instruct", activations="int8", show_progress=False)
+    draft = compiled("qwen2.5-coder-0.5b-instruct", activations="int8", show_progress=False)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "args": {"type": "integer"}},
+        "required": ["name", "args"],
+        "additionalProperties": False,
+    }
+    prompt = PROMPTS[0] + "# The function's name and argument count as JSON:\n# "
+    constrained = SamplingParams(max_tokens=40, temperature=0, structured_output={"json": schema})
+    plain = LLM(target, **SIZE).generate(prompt, constrained)[0].outputs[0]
+    for width in (1, 3):
+        spec = {"method": "draft", "num_speculative_tokens": 4, "draft_tree_width": width}
+        llm = LLM(target, draft_model=draft, speculative=spec, **SIZE)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == _plain(target)
+        with serving(llm) as served:
+            out = served.client().completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=40,
+                temperature=0,
+                extra_body={
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "f", "schema": schema},
+                    }
+                },
+            )
+        assert out.choices[0].text == plain.text and out.choices[0].finish_reason == "stop"
+        assert llm.engine.kv.available_pages() == llm.engine.capacity_pages

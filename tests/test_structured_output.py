@@ -236,6 +236,17 @@ def test_every_output_validates_against_its_schema(smollm2_int8):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow
+def test_max_tokens_mid_structure_finishes_with_length(smollm2_int8, plain):
+    """The text so far comes back as it is, the start of the constrained plain output."""
+    llm = LLM(smollm2_int8, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    prompt, constraint = CONSTRAINED[0]
+    params = dataclasses.replace(_params(constraint), max_tokens=5)
+    out = llm.generate(prompt, params)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == plain[0][:5]
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
 def test_bad_constraints_are_refused(tiny_llama):
     llm = LLM(tiny_llama.artifact)
     for bad, message in (
