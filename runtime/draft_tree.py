@@ -39,6 +39,13 @@ def tree_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
+def block_parents(num_drafts: int, parents: Sequence[int] | None = None) -> np.ndarray:
+    """The parents of a verify block's nodes: the pending token (the root, -1), then each
+    draft's, as a proposal gives them (``None``: a chain, draft j's parent being j - 1)."""
+    drafts = np.arange(num_drafts) if parents is None else np.asarray(parents)
+    return np.concatenate([[-1], drafts]).astype(np.int64)
+
+
 def children(parents: Sequence[int]) -> list[list[int]]:
     """Each node's children, in offset order (the draft's order of preference)."""
     out: list[list[int]] = [[] for _ in parents]

@@ -44,7 +44,7 @@ import tvm.runtime
 
 from mlc_spec.errors import UserError
 
-from .draft_tree import greedy_walk, sampled_walk
+from .draft_tree import block_parents, greedy_walk, sampled_walk
 from .logprobs import token_logprobs
 from .metrics import SpecStats, Timers
 from .model import Model, release_pooled_buffers
@@ -376,9 +376,8 @@ class Engine:
             rows += [row] * len(parent.request.sequences)
         if not seqs:
             return PrefillResult([])
-        with self.timers("grammar"):
-            none = [np.zeros(0, np.int64)] * len(seqs)
-            masks = self._grammar_masks(seqs, none, [None] * len(seqs), None)
+        none = [np.zeros(0, np.int64)] * len(seqs)
+        masks = self._grammar_masks(seqs, none, [None] * len(seqs), None)
         with self.timers("sample"):
             first = take(logits, rows)
             tokens = self.target.sampler.sample_logits(
@@ -421,8 +420,7 @@ class Engine:
                     drafts[i], parents[i] = tokens, proposal.parents[j]
             if proposal.probs is not None:
                 draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
-        with self.timers("grammar"):
-            masks = self._grammar_masks(seqs, drafts, parents, draft_probs)
+        masks = self._grammar_masks(seqs, drafts, parents, draft_probs)
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
@@ -481,9 +479,10 @@ class Engine:
         """One target pass over every sequence's pending token and drafts, then acceptance:
         ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``."""
         inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
+        blocks = [block_parents(len(d), p) for d, p in zip(drafts, parents, strict=True)]
         trees = [
-            None if p is None else (s.kv_len, np.concatenate([[-1], p]))
-            for s, p in zip(seqs, parents, strict=True)
+            None if p is None else (s.kv_len, block)
+            for s, p, block in zip(seqs, parents, blocks, strict=True)
         ]
         with self.timers("verify"):
             ids = [s.seq_id for s in seqs]
@@ -491,7 +490,7 @@ class Engine:
         with self.timers("sample"):
             scored = logits if masks is None else self.target.sampler.mask(logits, masks)
             if any(p is not None for p in parents):
-                return (*self._walk_trees(seqs, inputs, trees, scored), logits)
+                return (*self._walk_trees(seqs, inputs, blocks, scored), logits)
             num_draft = [len(d) for d in drafts]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
             accepted, emitted = self.target.sampler.verify(
@@ -517,34 +516,33 @@ class Engine:
             return None
         cuttable = draft_probs is None and not (self.proposer and self.proposer.costs.model)
         vocab, rows = self.target.vocab_size, []
-        for i, seq in enumerate(seqs):
-            nodes = [seq.tokens[-1], *drafts[i]]
-            if seq.constraint is None:
-                rows.append(unconstrained(len(nodes), vocab))
-                continue
-            chain = parents[i] is None
-            tree = np.concatenate([[-1], np.arange(len(drafts[i])) if chain else parents[i]])
-            masks = seq.constraint.masks(nodes, tree)
-            rejected = ~masks.any(axis=1)
-            if chain and cuttable and rejected.any():
-                keep = max(1, int(np.argmax(rejected)))  # the first node the grammar rejects
-                drafts[i], masks, rejected = drafts[i][: keep - 1], masks[:keep], rejected[:keep]
-            masks[rejected] = -1  # never read: any mask keeps the row's softmax finite
-            rows.append(masks)
+        with self.timers("grammar"):
+            for i, seq in enumerate(seqs):
+                nodes = [seq.tokens[-1], *drafts[i]]
+                if seq.constraint is None:
+                    rows.append(unconstrained(len(nodes), vocab))
+                    continue
+                masks = seq.constraint.masks(nodes, block_parents(len(drafts[i]), parents[i]))
+                rejected = ~masks.any(axis=1)
+                if parents[i] is None and cuttable and rejected.any():
+                    keep = max(1, int(np.argmax(rejected)))  # the first node it rejects
+                    drafts[i], masks = drafts[i][: keep - 1], masks[:keep]
+                    rejected = rejected[:keep]
+                masks[rejected] = -1  # never read: any mask keeps the row's softmax finite
+                rows.append(masks)
         return np.concatenate(rows)
 
     def _walk_trees(
         self,
         seqs: list[Sequence],
         inputs: list[list[int]],
-        trees: list[tuple[int, np.ndarray] | None],
+        parents: list[np.ndarray],
         logits: tvm.runtime.Tensor,
     ) -> tuple[list[list[int]], np.ndarray]:
-        """Acceptance of draft trees (a chain among them is the tree of width 1): the target's
-        argmaxes walked down each tree when every request is greedy, else its processed
-        distributions, read only at the nodes the walk reaches."""
-        chains = [np.arange(-1, len(t) - 1) for t in inputs]
-        parents = [c if t is None else t[1] for c, t in zip(chains, trees, strict=True)]
+        """Acceptance of draft trees (a chain among them is the tree of width 1; ``parents``:
+        each block's, ``block_parents``): the target's argmaxes walked down each tree when every
+        request is greedy, else its processed distributions, read only at the nodes the walk
+        reaches."""
         starts = np.cumsum([0, *map(len, inputs)])[:-1]
         walks = []
         if all(s.params.greedy for s in seqs):

@@ -67,7 +67,7 @@ class PagedKVCache(Protocol):
         self,
         seq_ids: Sequence[int],
         lengths: Sequence[int],
-        trees: Sequence[np.ndarray | None] | None = None,
+        trees: Sequence[tuple[int, np.ndarray] | None] | None = None,
     ) -> Any:
         """A context manager: append ``lengths[i]`` tokens to each sequence; yields the model
         functions' ``kv`` argument. ``trees[i]``, where given, is ``(base, parents)``: sequence
@@ -201,7 +201,7 @@ class PagePool:
         self,
         seq_ids: Sequence[int],
         lengths: Sequence[int],
-        trees: Sequence[np.ndarray | None] | None = None,
+        trees: Sequence[tuple[int, np.ndarray] | None] | None = None,
     ) -> Iterator[tuple]:
         seqs = [self._seq(s) for s in seq_ids]
         trees = trees or [None] * len(seqs)
@@ -345,7 +345,7 @@ class TVMKVCache:
         self,
         seq_ids: Sequence[int],
         lengths: Sequence[int],
-        trees: Sequence[np.ndarray | None] | None = None,
+        trees: Sequence[tuple[int, np.ndarray] | None] | None = None,
     ) -> Iterator[object]:
         if any(t is not None for t in trees or ()):
             raise UserError(_NO_TREES)

@@ -8,6 +8,7 @@ import numpy as np
 import tvm.runtime
 
 from .. import rows
+from ..draft_tree import block_parents
 from ..model import Model
 from ..request import Sequence
 from ..sampler import DraftProbs
@@ -74,8 +75,9 @@ class DraftModelProposer(Proposer):
     def _time(self, function: str, passes: list[list[int]]) -> list[float | None]:
         return time_passes(self.model, self.kv, function, passes, self.chunk_size)
 
-    def _catch_up(self, seqs: list[Sequence]) -> tvm.runtime.Tensor:
-        """Feed each sequence what the draft has not seen; the logits after its last token."""
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[tvm.runtime.Tensor, int]:
+        """Feed each sequence what the draft has not seen: the logits after each one's last
+        token, and how many tokens were fed."""
         for seq in seqs:
             if seq.seq_id not in self._known:  # from the prefix cache's pages where it can
                 self.kv.add_sequence_with_prefix(seq.seq_id, seq.tokens)
@@ -83,15 +85,14 @@ class DraftModelProposer(Proposer):
         ids = [s.seq_id for s in seqs]
         feeds = [s.tokens[self.kv.sequence_length(s.seq_id) :] for s in seqs]
         logits = self.model.prefill_chunked(self.kv, ids, feeds, self.chunk_size)
-        self._caught_up = sum(map(len, feeds))
-        return logits
+        return logits, sum(map(len, feeds))
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         if self.tree_width > 1:
             return self._propose_tree(seqs, num_tokens)
         start = time.perf_counter()
         ids = [s.seq_id for s in seqs]
-        logits = self._catch_up(seqs)
+        logits, caught_up = self._catch_up(seqs)
         sampler, greedy = self.model.sampler, all(s.params.greedy for s in seqs)
         tokens: list[list[int]] = [[] for _ in seqs]
         prob_rows: list[list[int]] = [[] for _ in seqs]
@@ -99,8 +100,11 @@ class DraftModelProposer(Proposer):
         active, filled = list(range(len(seqs))), 0
         while True:
             u = np.array([seqs[i].draft_rng.random() for i in active])
-            paths = [[seqs[i].tokens[-1], *tokens[i]] for i in active]
-            logits = self._masked(logits, [seqs[i] for i in active], paths)
+            trees = [
+                ([seqs[i].tokens[-1], *tokens[i]], block_parents(len(tokens[i])), [len(tokens[i])])
+                for i in active
+            ]
+            logits = self._masked(logits, [seqs[i] for i in active], trees)
             if greedy:
                 sampled = sampler.argmax(logits)
             else:
@@ -113,7 +117,7 @@ class DraftModelProposer(Proposer):
             filled += len(active)
             now = time.perf_counter()
             if len(tokens[active[0]]) == 1:
-                self.costs.first.observe(self._caught_up, now - start)
+                self.costs.first.observe(caught_up, now - start)
             else:
                 self.costs.next.observe(len(active), now - start)
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
@@ -132,7 +136,7 @@ class DraftModelProposer(Proposer):
         """A tree per sequence of depth ``depths[i]`` (the class docstring)."""
         start = time.perf_counter()
         ids = [s.seq_id for s in seqs]
-        logits = self._catch_up(seqs)
+        logits, caught_up = self._catch_up(seqs)
         width, b = self.tree_width, len(seqs)
         tokens: list[list[int]] = [[s.tokens[-1]] for s in seqs]  # offset 0: the pending token
         parents: list[list[int]] = [[-1] for _ in seqs]
@@ -142,9 +146,9 @@ class DraftModelProposer(Proposer):
             self._trees[seq.seq_id] = self.kv.sequence_length(seq.seq_id) - 1
         active, depth = list(range(b)), 0
         while True:
-            paths = [_path(tokens[i], parents[i], node) for i in active for node in frontier[i]]
-            rows_of = [seqs[i] for i in active for _ in frontier[i]]
-            top, probs = self.model.sampler.top_tokens(self._masked(logits, rows_of, paths))
+            trees = [(tokens[i], parents[i], frontier[i]) for i in active]
+            masked = self._masked(logits, [seqs[i] for i in active], trees)
+            top, probs = self.model.sampler.top_tokens(masked)
             row = 0
             for i in active:
                 candidates = []
@@ -162,7 +166,7 @@ class DraftModelProposer(Proposer):
                     score[i].append(path_score)
             now = time.perf_counter()
             if depth == 0:
-                self.costs.first.observe(self._caught_up, now - start)
+                self.costs.first.observe(caught_up, now - start)
             else:
                 self.costs.next.observe(sum(len(frontier[i]) for i in active), now - start)
             depth += 1
@@ -183,19 +187,25 @@ class DraftModelProposer(Proposer):
         )
 
     def _masked(
-        self, logits: tvm.runtime.Tensor, seqs: list[Sequence], paths: list[list[int]]
+        self,
+        logits: tvm.runtime.Tensor,
+        seqs: list[Sequence],
+        trees: list[tuple[list[int], Sequence[int], list[int]]],
     ) -> tvm.runtime.Tensor:
-        """Row j of ``logits`` masked by ``seqs[j]``'s grammar after the tokens of ``paths[j]``
-        (its pending token first), where it has one."""
+        """``logits`` (per sequence, a row per node it drafts from) masked by each sequence's
+        grammar: ``trees[i]`` is sequence i's drafts so far as a tree (tokens from its pending
+        token on, parents) and the nodes whose rows these are, each masked with the grammar's
+        state after its path."""
         if all(s.constraint is None for s in seqs):
             return logits
         vocab, masks = self.model.vocab_size, []
-        for seq, path in zip(seqs, paths, strict=True):
+        for seq, (tokens, parents, nodes) in zip(seqs, trees, strict=True):
             if seq.constraint is None:
-                masks.append(unconstrained(1, vocab))
+                masks.append(unconstrained(len(nodes), vocab))
                 continue
-            row = seq.constraint.masks(path, np.arange(-1, len(path) - 1))[-1:]
-            masks.append(row if row.any() else unconstrained(1, vocab))
+            rows = seq.constraint.masks(tokens, parents)[nodes]
+            rows[~rows.any(axis=1)] = -1  # a path the grammar ended: anything may be drafted
+            masks.append(rows)
         return self.model.sampler.mask(logits, np.concatenate(masks))
 
     def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
@@ -216,12 +226,3 @@ class DraftModelProposer(Proposer):
             self.kv.remove_sequence(seq.seq_id)
             self._known.discard(seq.seq_id)
             self._trees.pop(seq.seq_id, None)
-
-
-def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
-    """The tokens from a tree's root to ``node``."""
-    path = []
-    while node >= 0:
-        path.append(tokens[node])
-        node = parents[node]
-    return path[::-1]
