@@ -115,7 +115,7 @@ def _upload(url: str, body: bytes) -> bytes:
 @pytest.mark.slow
 def test_a_20mb_body_stalls_no_one(smollm2_server):
     """A 20 MB body is answered 413 before it is read whole; meanwhile /health answers within
-    0.2 s and a running stream's gap between tokens stays within 2x its median. Three bodies
+    0.2 s and a running stream's gap between tokens stays within 3x its median. Three bodies
     during one stream, the median of their worst gaps judged: one gap on this 2-core machine
     reaches 2x the median now and then with no other request at all."""
     url = smollm2_server.url
@@ -146,11 +146,12 @@ def test_a_20mb_body_stalls_no_one(smollm2_server):
     overlaps = [[t <= end and t + g >= start for g, t in zip(gaps, stamps, strict=False)]
                 for start, end in windows]  # fmt: skip
     worst = [max(gaps[hit]) for hit in map(np.array, overlaps)]
-    # On a quiet machine the stream's own gaps stay well within 2x their median, and that is
-    # the bound; where other processes take a core (a shared CI runner), its own jitter outside
+    # Reading the body on the event loop would stall it for at least its JSON parse (37 ms here,
+    # 6x the median gap). The stream's own gaps reach 2.2x their median under an upload on a
+    # CI runner, so the bound is 3x; where other processes take a core, its own jitter outside
     # the windows is, and a stall of the event loop still stands out against it.
     outside = gaps[~np.any(overlaps, axis=0)]
-    bound = max(2 * np.median(gaps), np.percentile(outside, 99))
+    bound = max(3 * np.median(gaps), np.percentile(outside, 99))
     assert np.median(worst) <= bound, (worst, np.median(gaps), bound)
 
 
