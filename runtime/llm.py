@@ -32,10 +32,12 @@ class LLM:
         chunk_time_ratio: float | None = 0.5,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
+        chat_template: str | Path | None = None,
+        tool_call_parser: str | None = None,
     ):
         self.speculative = SpeculativeConfig.parse(speculative, draft_model is not None)
         self.model = Model(model)
-        self.tokenizer = Tokenizer(model)
+        self.tokenizer = Tokenizer(model, chat_template, tool_call_parser)
         config = EngineConfig(
             max_batch_size,
             max_total_len,
@@ -70,12 +72,15 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, formatted by the chat template."""
+        """One conversation (a list of messages) or several, formatted by the chat template,
+        which renders ``tools`` (OpenAI's function tools) where its model can call them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.tokenizer.apply_chat_template(c) for c in conversations], params)
+        prompts = [self.tokenizer.apply_chat_template(c, tools) for c in conversations]
+        return self.generate(prompts, params)
 
     def default_sampling_params(self, **given: Any) -> SamplingParams:
         """``SamplingParams(**given)``, with the sampling settings the model's publisher

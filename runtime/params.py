@@ -22,14 +22,17 @@ class ParamsError(UserError, ValueError):
 class StructuredOutput:
     """A constraint on what a request may generate, as vLLM's ``StructuredOutputsParams``:
     exactly one of a JSON schema (``json``, a dict or its text), any JSON object
-    (``json_object``), a regular expression, one of several strings (``choice``), or an EBNF
-    grammar (GBNF, ``grammar``). Compiled by xgrammar (``runtime/structured_output.py``)."""
+    (``json_object``), a regular expression, one of several strings (``choice``), an EBNF
+    grammar (GBNF, ``grammar``), or an xgrammar structural tag (``structural_tag``, a dict or
+    its text: what forced tool calls compile to). Compiled by xgrammar
+    (``runtime/structured_output.py``)."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -38,10 +41,11 @@ class StructuredOutput:
                 raise ParamsError("choice must be a non-empty list of strings")
         kinds = [self.json is not None, self.json_object, self.regex is not None]
         kinds += [self.choice is not None, self.grammar is not None]
+        kinds += [self.structural_tag is not None]
         if sum(kinds) != 1:
             raise ParamsError(
-                "structured output takes exactly one of json, json_object, regex, choice and "
-                f"grammar, got {sum(kinds)}"
+                "structured output takes exactly one of json, json_object, regex, choice, "
+                f"grammar and structural_tag, got {sum(kinds)}"
             )
 
     @classmethod

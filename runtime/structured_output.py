@@ -1,10 +1,11 @@
 """Structured output: a request's grammar decides which tokens the target may emit next.
 
 xgrammar compiles a request's constraint (``StructuredOutput``: a JSON schema, any JSON object,
-a regex, a choice, an EBNF grammar) against the tokenizer's vocabulary, and a matcher per
-sequence follows the tokens it accepts. Before a row of logits is sampled or verified, the
-matcher's token bitmask sets the disallowed tokens to -inf, in the artifact's compiled
-``apply_token_bitmask`` (the logits themselves stay as the model computed them, for logprobs).
+a regex, a choice, an EBNF grammar, a structural tag) against the tokenizer's vocabulary, and a
+matcher per sequence follows the tokens it accepts. Before a row of logits is sampled or
+verified, the matcher's token bitmask sets the disallowed tokens to -inf, in the artifact's
+compiled ``apply_token_bitmask`` (the logits themselves stay as the model computed them, for
+logprobs).
 
 With speculation, the row of a draft (tree) node is masked with the matcher's state after the
 node's path (``traverse_draft_tree``; the matcher itself is left where it was): each verify row
@@ -90,16 +91,27 @@ class Grammars:
             if spec.choice is not None:
                 alternatives = " | ".join(json.dumps(c) for c in spec.choice)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
+            if spec.structural_tag is not None:
+                tag = spec.structural_tag
+                return compiler.compile_structural_tag(
+                    tag if isinstance(tag, str) else json.dumps(tag)
+                )
             return compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as err:
-            kind = next(k for k in ("json", "regex", "choice", "grammar") if getattr(spec, k))
+            kind = next(k for k in _NAMES if getattr(spec, k))
             raise UserError(f"invalid {_NAMES[kind]}: {_first_line(err)}") from None
 
     def constraint(self, compiled: Any) -> Constraint:
         return Constraint(_xgrammar().GrammarMatcher(compiled), self.vocab_size)
 
 
-_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_NAMES = {
+    "json": "JSON schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structural_tag": "structural tag",
+}
 
 
 def _first_line(err: Exception) -> str:

@@ -24,6 +24,8 @@ import tokenizers
 
 from mlc_spec.errors import UserError
 
+from . import tool_calls
+
 # The named special tokens transformers passes to chat templates (``special_tokens_map``).
 SPECIAL_TOKENS = (
     "bos_token",
@@ -37,7 +39,16 @@ SPECIAL_TOKENS = (
 
 
 class Tokenizer:
-    def __init__(self, artifact_dir: str | Path):
+    """``chat_template``: a Jinja file that replaces the model's template (vLLM's
+    ``--chat-template``); ``tool_call_parser``: the format of tool calls (``tool_calls.FORMATS``)
+    where the template's is not recognised."""
+
+    def __init__(
+        self,
+        artifact_dir: str | Path,
+        chat_template: str | Path | None = None,
+        tool_call_parser: str | None = None,
+    ):
         root = Path(artifact_dir)
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
@@ -46,7 +57,17 @@ class Tokenizer:
             self._chat_template = _chat_template(root, config)
         except Exception as err:  # tokenizers raises plain Exception for malformed files
             raise UserError(f"cannot load the tokenizer of {artifact_dir}: {err}") from None
+        if chat_template is not None:
+            try:
+                self._chat_template = Path(chat_template).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise UserError(f"cannot read the chat template {chat_template}: {err}") from None
         self._special_tokens = _named_special_tokens(config, legacy)
+        self.tool_format = (
+            tool_calls.tool_format(tool_call_parser)
+            if tool_call_parser is not None
+            else tool_calls.detect(self._chat_template)
+        )
 
     @property
     def vocab(self) -> dict[str, int]:
@@ -69,10 +90,19 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template's text for ``messages``, ending with the assistant's turn."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[tool_calls.Tool] | None = None
+    ) -> str:
+        """The chat template's text for ``messages`` (and the ``tools`` they may call), ending
+        with the assistant's turn."""
         if self._chat_template is None:
             raise UserError("this model's tokenizer has no chat template; use generate()")
+        if tools and self.tool_format is None:
+            raise UserError(
+                "tools: this model's chat template has no tool-call format (known: Qwen2.5's "
+                "Hermes <tool_call> and Llama 3's JSON); serve it with --chat-template and "
+                "--tool-call-parser"
+            )
         template = _compile_template(self._chat_template)
         # As transformers: keys whose value is None are dropped (many templates print "None").
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -80,16 +110,18 @@ class Tokenizer:
             return template.render(
                 **self._special_tokens,
                 messages=messages,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=True,
             )
         except jinja2.TemplateError as err:
             raise UserError(f"the chat template rejects these messages: {err}") from None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[tool_calls.Tool] | None = None
+    ) -> list[int]:
         # The template already wrote any special tokens (BOS, role markers) as text.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

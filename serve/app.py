@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +45,7 @@ from .protocol import (
     ModelCard,
     ModelList,
 )
-from .responses import ResponseBuilder
+from .responses import ResponseBuilder, ToolUse
 from .shutdown import GracefulServer
 
 T = TypeVar("T")
@@ -209,10 +210,19 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(body.model)
-        conversation = body.conversation()
-        _check_fits(sum(len(m["content"]) for m in conversation), "messages")
-        prompt = await _tokenize(raw, tokenizer.apply_chat_template, conversation)
-        return await _serve(raw, body, prompt, chat=True, with_logprobs=body.logprobs)
+        conversation, tools = body.conversation(), body.tool_list()
+        text = sum(len(m["content"] or "") for m in conversation) + len(json.dumps(tools))
+        _check_fits(text, "messages")
+        prompt = await _tokenize(
+            raw, lambda c: tokenizer.apply_chat_template(c, tools), conversation
+        )
+        # Past the template: a model given tools has a tool-call format (render_chat checks).
+        tool_use = (
+            ToolUse(tokenizer.tool_format, body.parallel_tool_calls) if body.calls_tools else None
+        )
+        return await _serve(
+            raw, body, prompt, chat=True, with_logprobs=body.logprobs, tools=tool_use
+        )
 
     def _check_model(name: str) -> None:
         """Before the prompt is tokenized: a request for another model costs nothing."""
@@ -239,12 +249,15 @@ def build_app(llm: LLM, model_name: str, config: ServerConfig = ServerConfig()) 
         prompt: list[int],
         chat: bool,
         with_logprobs: bool,
+        tools: ToolUse | None = None,
     ) -> Response:
         params = body.sampling_params(
-            llm.engine.max_sequence_len(body.n) - len(prompt), llm.sampling_defaults
+            llm.engine.max_sequence_len(body.n) - len(prompt),
+            llm.sampling_defaults,
+            tokenizer.tool_format,
         )
         stream = await raw.app.state.engine.add(prompt, params)
-        builder = ResponseBuilder(chat, model_name, tokenizer, len(prompt), params.n)
+        builder = ResponseBuilder(chat, model_name, tokenizer, len(prompt), params.n, tools)
         if body.stream:
             events = _events(stream, builder, with_logprobs, body.include_usage)
             return StreamingResponse(

@@ -1,8 +1,9 @@
 """The OpenAI API schema for what this server answers, as pydantic models.
 
 Requests are validated strictly (a string is not a number) and turned into ``SamplingParams``;
-fields the engine cannot honour (tools, penalties, logit bias, echo) are refused with a 400
-rather than silently ignored. Other unknown fields are ignored, as OpenAI's own server and vLLM
+fields the engine cannot honour (penalties, logit bias, echo, the deprecated ``functions``) are
+refused with a 400 rather than silently ignored. Chat requests may carry ``tools``
+(``runtime/tool_calls.py``). Other unknown fields are ignored, as OpenAI's own server and vLLM
 do. ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``num_speculative_tokens`` and the
 structured-output fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
 ``guided_grammar`` are vLLM-style extra fields; ``response_format`` (``json_object``,
@@ -11,6 +12,7 @@ structured-output fields ``guided_json``, ``guided_regex``, ``guided_choice`` an
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from abc import abstractmethod
@@ -20,6 +22,7 @@ import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlc_spec.runtime.params import SamplingParams
+from mlc_spec.runtime.tool_calls import Tool, ToolFormat
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}  # OpenAI's range for seed
@@ -103,8 +106,6 @@ class _SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -115,12 +116,10 @@ class _SamplingRequest(_Request):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _SamplingRequest:
-        for field in ("tools", "tool_choice", "functions", "function_call"):
+        for field in ("functions", "function_call"):
             if getattr(self, field) is not None:
-                raise ValueError(f"'{field}' is not supported: this server returns plain text")
-        given = [f for f in _STRUCTURED if getattr(self, f) is not None]
-        if self.response_format is not None and self.response_format.type != "text":
-            given.append("response_format")
+                raise ValueError(f"'{field}' is deprecated and not supported: use tools")
+        given = self._constraints()
         if len(given) > 1:
             raise ValueError(f"give one structured-output constraint, not {' and '.join(given)}")
         if self.presence_penalty or self.frequency_penalty:
@@ -130,6 +129,13 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
+
+    def _constraints(self) -> list[str]:
+        """The structured-output fields this request sets."""
+        given = [f for f in _STRUCTURED if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        return given
 
     @property
     def include_usage(self) -> bool:
@@ -149,9 +155,12 @@ class _SamplingRequest(_Request):
         ]
         return " and ".join(bounds) or None
 
-    def sampling_params(self, room: int, defaults: dict[str, Any]) -> SamplingParams:
+    def sampling_params(
+        self, room: int, defaults: dict[str, Any], tool_format: ToolFormat | None = None
+    ) -> SamplingParams:
         """``room``: tokens each sample may hold after the prompt (context or KV budget);
-        ``defaults``: the model's recommended settings, for the fields the request left out."""
+        ``defaults``: the model's recommended settings, for the fields the request left out;
+        ``tool_format``: how the model calls tools."""
         settings = {**_OPENAI_DEFAULTS, **defaults}
         given = {f: getattr(self, f) for f in _OPENAI_DEFAULTS if getattr(self, f) is not None}
         return SamplingParams(
@@ -164,10 +173,10 @@ class _SamplingRequest(_Request):
             n=self.n,
             logprobs=self._logprobs(),
             num_speculative_tokens=self.num_speculative_tokens,
-            structured_output=self._structured_output(),
+            structured_output=self._structured_output(tool_format),
         )
 
-    def _structured_output(self) -> dict[str, Any] | None:
+    def _structured_output(self, tool_format: ToolFormat | None) -> dict[str, Any] | None:
         """The request's constraint in ``StructuredOutput``'s form, or None."""
         for field, kind in _STRUCTURED.items():
             if getattr(self, field) is not None:
@@ -192,9 +201,13 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
 
     @model_validator(mode="after")
     def _refuse_completion_only(self) -> CompletionRequest:
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("tools apply to /v1/chat/completions, not to completions")
         if self.echo or self.suffix is not None:
             raise ValueError("echo and suffix are not supported")
         if self.best_of not in (None, self.n):
@@ -213,9 +226,57 @@ class TextPart(_Request):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # as OpenAI's
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # false: forced calls' arguments are any JSON object
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"is not valid JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        return arguments
+
+
+class AssistantToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -226,14 +287,38 @@ class ChatMessage(_Request):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 if kind != "text":
                     raise ValueError(f"part {i} is of type {kind!r}; this model reads text only")
-        elif not isinstance(content, str):
+        elif content is not None and not isinstance(content, str):
             raise ValueError("must be a string or a list of text parts")
         return content
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to {self.role}")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (but for an assistant's tool calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """As chat templates read it (transformers' convention): a call's arguments as an
+        object, not as JSON text."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                 "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -241,6 +326,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -248,8 +336,48 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two functions share a name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            listed = ", ".join(names) or "none"
+            raise ValueError(
+                f"tool_choice names function '{choice.function.name}', which is not among "
+                f"tools ({listed})"
+            )
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.forced_tools and self._constraints():
+            raise ValueError(
+                f"a forced tool_choice is a constraint of its own: drop {self._constraints()[0]}"
+            )
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered and may be called (``tool_choice`` is not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_list(self) -> list[Tool] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def _structured_output(self, tool_format: ToolFormat | None) -> dict[str, Any] | None:
+        if not self.forced_tools or tool_format is None:
+            return super()._structured_output(tool_format)
+        choice = self.tool_choice
+        choice = choice if isinstance(choice, str) else choice.model_dump()
+        tag = tool_format.structural_tag(self.tool_list(), choice, self.parallel_tool_calls)
+        return {"structural_tag": tag}
 
     def _max_tokens(self, room: int) -> int:
         # As OpenAI and vLLM: without a limit, a chat answer may fill the context.
@@ -310,9 +438,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -322,9 +462,14 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class DeltaToolCall(ToolCall):
+    index: int  # the call's place among the sample's calls
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

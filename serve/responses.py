@@ -8,6 +8,8 @@ from mlc_spec.runtime.logprobs import TokenLogprob
 from mlc_spec.runtime.metrics import SpecStats
 from mlc_spec.runtime.request import CompletionOutput, RequestOutput
 from mlc_spec.runtime.tokenizer import Tokenizer
+from mlc_spec.runtime.tool_calls import ToolCall as ParsedCall
+from mlc_spec.runtime.tool_calls import ToolCallParser, ToolFormat
 
 from .protocol import (
     AssistantMessage,
@@ -21,8 +23,11 @@ from .protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
     Speculation,
+    ToolCall,
     TopLogprob,
     Usage,
     response_id,
@@ -37,15 +42,34 @@ class _Sample:
     finish_reason: str | None = None
     spec_stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     reported: bool = False  # a stream chunk has gone out (the first carries the role)
+    parser: ToolCallParser | None = None  # a stream's tool calls, read as they come
+    num_calls: int = 0  # tool calls streamed
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolUse:
+    """A chat request that may call tools: its output is parsed in the model's format."""
+
+    format: ToolFormat
+    parallel: bool  # False: the first call only (parallel_tool_calls)
 
 
 class ResponseBuilder:
-    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, prompt_tokens: int, n: int):
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        tokenizer: Tokenizer,
+        prompt_tokens: int,
+        n: int,
+        tools: ToolUse | None = None,
+    ):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = response_id(chat)
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
-        self.samples = [_Sample() for _ in range(n)]
+        self.tools = tools
+        self.samples = [_Sample(parser=tools.format.parser() if tools else None) for _ in range(n)]
 
     # ---- whole responses ------------------------------------------------------------------
     def add(self, delta: RequestOutput) -> None:
@@ -64,13 +88,8 @@ class ResponseBuilder:
                 id=self.id,
                 model=self.model,
                 choices=[
-                    ChatChoice(
-                        index=i,
-                        message=AssistantMessage(content=s.text),
-                        logprobs=self._chat_logprobs(s.logprobs) if with_logprobs else None,
-                        finish_reason=s.finish_reason,
-                    )
-                    for i, s in enumerate(self.samples)
+                    self._chat_choice(i, sample, with_logprobs)
+                    for i, sample in enumerate(self.samples)
                 ],
                 usage=self.usage(),
                 speculation=self.speculation(),
@@ -90,6 +109,25 @@ class ResponseBuilder:
             usage=self.usage(),
             speculation=self.speculation(),
         )
+
+    def _chat_choice(self, index: int, sample: _Sample, with_logprobs: bool) -> ChatChoice:
+        content, calls = sample.text, []
+        if self.tools is not None:
+            parsed = self.tools.format.parser().parse(sample.text)
+            content, calls = parsed.content, self._kept(parsed.calls, 0)
+        return ChatChoice(
+            index=index,
+            message=AssistantMessage(
+                content=(content or None) if calls else content,
+                tool_calls=[ToolCall(id=c.id, function=_function(c)) for c in calls],
+            ),
+            logprobs=self._chat_logprobs(sample.logprobs) if with_logprobs else None,
+            finish_reason=_finish_reason(sample.finish_reason, bool(calls)),
+        )
+
+    def _kept(self, calls: list[ParsedCall], earlier: int) -> list[ParsedCall]:
+        """The calls a response reports, ``earlier`` ones already reported."""
+        return calls if self.tools.parallel else calls[: max(0, 1 - earlier)]
 
     def usage(self) -> Usage:
         completion = sum(s.num_tokens for s in self.samples)
@@ -136,11 +174,27 @@ class ResponseBuilder:
         sample = self.samples[out.index]
         first = not sample.reported
         sample.reported = True
+        content, calls, called = out.text, [], False
+        if sample.parser is not None:
+            parsed = sample.parser.feed(out.text)
+            if out.finish_reason is not None:
+                parsed += sample.parser.finish()
+            content, calls = parsed.content, self._kept(parsed.calls, sample.num_calls)
+            called = sample.num_calls + len(calls) > 0
+        delta_calls = [
+            DeltaToolCall(index=sample.num_calls + i, id=c.id, function=_function(c))
+            for i, c in enumerate(calls)
+        ]
+        sample.num_calls += len(calls)
         return ChatChunkChoice(
             index=out.index,
-            delta=DeltaMessage(role="assistant" if first else None, content=out.text),
+            delta=DeltaMessage(
+                role="assistant" if first else None,
+                content=(content or None) if delta_calls else content,
+                tool_calls=delta_calls or None,
+            ),
             logprobs=self._chat_logprobs(out.logprobs or []) if with_logprobs else None,
-            finish_reason=out.finish_reason,
+            finish_reason=_finish_reason(out.finish_reason, called),
         )
 
     def _completion_chunk_choice(
@@ -182,3 +236,12 @@ class ResponseBuilder:
                 for e in entries
             ]
         )
+
+
+def _function(call: ParsedCall) -> FunctionCall:
+    return FunctionCall(name=call.name, arguments=call.arguments)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` where a sample that called tools stopped by itself."""
+    return "tool_calls" if reason == "stop" and called else reason

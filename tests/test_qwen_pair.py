@@ -6,8 +6,10 @@ on code should agree with its target most of the time, or speculation cannot pay
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 from bench_scripts import script
 
@@ -126,3 +128,42 @@ def test_int8_pair_trees_and_structured_output_through_the_openai_client():
             )
         assert out.choices[0].text == plain.text and out.choices[0].finish_reason == "stop"
         assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
+def test_int8_pair_calls_tools_through_the_openai_client():
+    """Qwen2.5's own template and its Hermes format, with the draft speculating: asked for the
+    weather with a tool offered (``auto``), the 1.5B calls it (in a fenced JSON block, as the
+    Coder models do), whole and streamed alike; a forced call (``required``, in the template's
+    ``<tool_call>`` form) is the plain forced call, token for token."""
+    from served import serving
+    from test_tool_calls import SCHEMAS, TOOLS
+
+    from mlc_spec.runtime.tool_calls import HERMES
+
+    target = compiled("qwen2.5-coder-1.5b-instruct", activations="int8", show_progress=False)
+    draft = compiled("qwen2.5-coder-0.5b-instruct", activations="int8", show_progress=False)
+    spec = {"method": "draft", "num_speculative_tokens": 4}
+    llm = LLM(target, draft_model=draft, speculative=spec, **SIZE)
+    messages = [{"role": "user", "content": "What is the weather in Paris, in Celsius?"}]
+    args = {"model": "tiny", "messages": messages, "tools": TOOLS, "temperature": 0}
+    with serving(llm) as served:
+        client = served.client()
+        whole = client.chat.completions.create(**args, max_tokens=60).choices[0]
+        streamed = []
+        for chunk in client.chat.completions.create(**args, max_tokens=60, stream=True):
+            streamed += chunk.choices[0].delta.tool_calls or [] if chunk.choices else []
+        forced = client.chat.completions.create(**args, max_tokens=60, tool_choice="required")
+    assert whole.finish_reason == "tool_calls", whole.message
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert forced.choices[0].finish_reason == "tool_calls"
+    tag = HERMES.structural_tag(TOOLS, "required", parallel=True)
+    params = SamplingParams(max_tokens=60, temperature=0, structured_output={"structural_tag": tag})
+    plain = LLM(target, **SIZE).chat(messages, params, tools=TOOLS)[0].outputs[0]
+    assert llm.chat(messages, params, tools=TOOLS)[0].outputs[0].token_ids == plain.token_ids
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages

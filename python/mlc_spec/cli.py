@@ -149,6 +149,8 @@ def _serve(args: argparse.Namespace) -> None:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_time_ratio=args.chunk_time_ratio or None,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
     asked = args.model or DEFAULT_MODEL  # a PyPI name is served under that name
     name = args.served_model_name or (Path(model).name if Path(asked).exists() else asked)
@@ -370,6 +372,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--enable-docs", action="store_true", help="serve /docs and /openapi.json (default: off)"
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        help="how the model writes tool calls: hermes or llama3_json (default: recognised from "
+        "the chat template: Qwen2.5's <tool_call> is hermes, Llama 3's JSON is llama3_json)",
     )
     p.add_argument(
         "--async-scheduling",
