@@ -49,7 +49,7 @@ from .logprobs import token_logprobs
 from .metrics import SpecStats, Timers
 from .model import Model, release_pooled_buffers
 from .output_processor import OutputProcessor, SequenceOutput
-from .params import EngineConfig, SamplingParams, SpeculativeConfig
+from .params import EngineConfig, ParamsError, SamplingParams, SpeculativeConfig
 from .proposers import Proposer
 from .request import Request, RequestOutput, Sequence, Status
 from .rows import Rows, take
@@ -150,7 +150,15 @@ class Engine:
         )
         self.capacity_pages = self.kv.available_pages()
         draft_costs = proposer.costs if proposer else DraftCosts(model=False)
-        costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs)
+        # Method auto: the model-free proposer's costs beside the draft model's.
+        free = [p.costs for p in (proposer.by_method() if proposer else {}).values()]
+        free = [c for c in free if c is not draft_costs]
+        costs = StepCosts(
+            decode=CostTable(),
+            verify=CostTable(),
+            draft=draft_costs,
+            free=free[0] if free else None,
+        )
         self.scheduler = Scheduler(config, self.kv, proposer, speculative, costs)
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
         self.grammars = Grammars(target.path, target.vocab_size, sorted(self.eos_ids))
@@ -224,6 +232,12 @@ class Engine:
                 f"{self.capacity_pages} pages ({self.capacity_pages * self.kv.page_size} tokens) "
                 f"and {self.config.max_batch_size} sequence slots; raise max_total_len / "
                 "max_batch_size"
+            )
+        method = params.speculative_method
+        if method is not None and method not in self.scheduler.proposers:
+            built = ", ".join(self.scheduler.proposers) or "none: no speculation"
+            raise ParamsError(
+                f"speculative_method {method!r} is not one this engine has (it has {built})"
             )
         grammar = None
         if params.structured_output is not None:
@@ -377,7 +391,7 @@ class Engine:
         if not seqs:
             return PrefillResult([])
         none = [np.zeros(0, np.int64)] * len(seqs)
-        masks = self._grammar_masks(seqs, none, [None] * len(seqs), None)
+        masks = self._grammar_masks(seqs, none, [None] * len(seqs))
         with self.timers("sample"):
             first = take(logits, rows)
             tokens = self.target.sampler.sample_logits(
@@ -418,9 +432,12 @@ class Engine:
                     drafts[i] = tokens[: plan.num_draft[i]]
                 else:  # the proposer grew the tree to the plan's depth
                     drafts[i], parents[i] = tokens, proposal.parents[j]
-            if proposal.probs is not None:
-                draft_probs = proposal.probs.first([len(drafts[i]) for i in asked])
-        masks = self._grammar_masks(seqs, drafts, parents, draft_probs)
+            if proposal.probs is not None:  # rows per sequence of the plan, none unasked
+                rows: list[np.ndarray | None] = [np.zeros(0, np.int64)] * len(seqs)
+                for j, i in enumerate(asked):
+                    rows[i] = proposal.probs.rows[j]
+                draft_probs = DraftProbs(proposal.probs.data, rows).first(map(len, drafts))
+        masks = self._grammar_masks(seqs, drafts, parents)
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
@@ -504,7 +521,6 @@ class Engine:
         seqs: list[Sequence],
         drafts: list[np.ndarray],
         parents: list[np.ndarray | None],
-        draft_probs: DraftProbs | None,
     ) -> np.ndarray | None:
         """The grammar mask of each row of the coming pass (per sequence its pending token's
         row, then its drafts'; ``runtime/structured_output.py``), or None without constrained
@@ -514,7 +530,6 @@ class Engine:
         needs it), as are a tree's nodes (their parents' rows give them no probability)."""
         if all(s.constraint is None for s in seqs):
             return None
-        cuttable = draft_probs is None and not (self.proposer and self.proposer.costs.model)
         vocab, rows = self.target.vocab_size, []
         with self.timers("grammar"):
             for i, seq in enumerate(seqs):
@@ -524,6 +539,7 @@ class Engine:
                     continue
                 masks = seq.constraint.masks(nodes, block_parents(len(drafts[i]), parents[i]))
                 rejected = ~masks.any(axis=1)
+                cuttable = len(drafts[i]) and not self._drafted_by_model(seq)
                 if parents[i] is None and cuttable and rejected.any():
                     keep = max(1, int(np.argmax(rejected)))  # the first node it rejects
                     drafts[i], masks = drafts[i][: keep - 1], masks[:keep]
@@ -531,6 +547,10 @@ class Engine:
                 masks[rejected] = -1  # never read: any mask keeps the row's softmax finite
                 rows.append(masks)
         return np.concatenate(rows)
+
+    def _drafted_by_model(self, seq: Sequence) -> bool:
+        """The draft model proposed ``seq``'s drafts this step (its cache holds them)."""
+        return self.scheduler.proposers[seq.draft_method].costs.model
 
     def _walk_trees(
         self,

@@ -86,6 +86,7 @@ class StepRecord:
     measured_seconds: float
     expected_tokens: float  # emitted tokens the choice expected, by the estimates
     emitted_tokens: int  # accepted drafts plus one per sequence: what the step made
+    methods: list[str] = dataclasses.field(default_factory=list)  # the proposer per sequence
 
 
 class SpeculationLog:
@@ -96,6 +97,8 @@ class SpeculationLog:
         self.recent: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
         self.num_steps = 0
         self.steps_by_k = SpecStats()  # engine-wide count of sequence-steps per chosen k
+        # Sequence-steps that drafted, per proposer (method ``auto`` chooses among several).
+        self.steps_by_method: collections.Counter[str] = collections.Counter()
         self.num_predicted = 0  # steps that had a prediction
         self.predicted_seconds = 0.0  # over those steps
         self.measured_seconds = 0.0  # ... the same steps, measured
@@ -108,6 +111,9 @@ class SpeculationLog:
         self.num_steps += 1
         for k in step.num_draft:
             self.steps_by_k.record_choice(k)
+        # A step planned without the policy (nothing to draft) names no methods.
+        drafted = zip(step.methods, step.num_draft, strict=False)
+        self.steps_by_method.update(m for m, k in drafted if k)
         if step.predicted_seconds is not None:
             self.num_predicted += 1
             self.predicted_seconds += step.predicted_seconds
@@ -120,6 +126,7 @@ class SpeculationLog:
         return {
             "num_steps": self.num_steps,
             "sequence_steps_by_k": self.steps_by_k.steps_by_k,
+            "drafting_sequence_steps_by_method": dict(self.steps_by_method),
             "num_predicted": self.num_predicted,
             "predicted_seconds": self.predicted_seconds,
             "measured_seconds": self.measured_seconds,

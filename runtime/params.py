@@ -79,6 +79,9 @@ class SamplingParams:
     # Draft tokens per step for this request: None = the engine's setting (automatic by
     # default), 0 = no speculation, k = exactly k (capped by the engine's maximum).
     num_speculative_tokens: int | None = None
+    # The proposer for this request, among the engine's (``auto`` has draft and suffix): None
+    # = the engine's choice per step.
+    speculative_method: str | None = None
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (``StructuredOutput``
     # or its dict form; ``guided_decoding`` is vLLM's older name for it).
     structured_output: StructuredOutput | dict[str, Any] | None = None
@@ -114,6 +117,10 @@ class SamplingParams:
             raise ParamsError(
                 f"num_speculative_tokens must be >= 0 (0: off), got {self.num_speculative_tokens}"
             )
+        if self.speculative_method not in (None, *PROPOSERS):
+            raise ParamsError(
+                f"unknown speculative_method {self.speculative_method!r} ({', '.join(PROPOSERS)})"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -127,18 +134,25 @@ class SamplingParams:
 DEFAULT_MAX_SPECULATIVE_TOKENS = 6
 
 
+# The proposers an engine can have; method ``auto`` has suffix and, with a draft model, draft.
+PROPOSERS = ("draft", "ngram", "suffix")
+
+
 @dataclasses.dataclass
 class SpeculativeConfig:
     """How drafts are proposed: ``draft`` (a small model, ``LLM(draft_model=...)``), ``ngram``
-    (prompt lookup) or ``suffix`` (suffix trees over the request and earlier requests' outputs,
-    with vLLM's ``suffix_decoding_*`` settings). ``num_speculative_tokens`` is what requests that
-    do not set their own get: ``"auto"`` (chosen per request and step from measured goodput) or
-    a fixed k (0: off unless a request asks). ``max_speculative_tokens`` caps every request's k.
-    ``draft_tree_width`` > 1 makes the draft model grow a tree of depth k instead of a chain:
-    each depth keeps the ``width`` most probable continuations (EAGLE-2's dynamic tree), so a
-    step verifies up to ``k x width`` drafts in one pass (``runtime/draft_tree.py``)."""
+    (prompt lookup), ``suffix`` (suffix trees over the request and earlier requests' outputs,
+    with vLLM's ``suffix_decoding_*`` settings), or ``auto``: suffix decoding and the draft
+    model where there is one, the policy choosing per sequence and step (prompt lookup is left
+    out: a request's own suffix tree holds its prompt). ``num_speculative_tokens`` is what
+    requests that do not set their own get: ``"auto"`` (chosen per request and step from
+    measured goodput) or a fixed k (0: off unless a request asks). ``max_speculative_tokens``
+    caps every request's k. ``draft_tree_width`` > 1 makes the draft model grow a tree of
+    depth k instead of a chain: each depth keeps the ``width`` most probable continuations
+    (EAGLE-2's dynamic tree), so a step verifies up to ``k x width`` drafts in one pass
+    (``runtime/draft_tree.py``)."""
 
-    method: Literal["draft", "ngram", "suffix"]
+    method: Literal["draft", "ngram", "suffix", "auto"]
     num_speculative_tokens: int | Literal["auto"] = "auto"
     max_speculative_tokens: int | None = None  # default: max(k, 6)
     prompt_lookup_min: int = 1
@@ -155,9 +169,9 @@ class SpeculativeConfig:
     draft_tree_width: int = 1
 
     def __post_init__(self) -> None:
-        if self.method not in ("draft", "ngram", "suffix"):
+        if self.method not in (*PROPOSERS, "auto"):
             raise ParamsError(
-                f"unknown speculative method {self.method!r} (draft, ngram or suffix)"
+                f"unknown speculative method {self.method!r} (draft, ngram, suffix or auto)"
             )
         k = self.num_speculative_tokens
         if k != "auto" and not (isinstance(k, int) and k >= 0):
@@ -198,7 +212,14 @@ class SpeculativeConfig:
 
     @property
     def auto(self) -> bool:
+        """k is chosen by the policy (``num_speculative_tokens`` auto)."""
         return self.num_speculative_tokens == "auto"
+
+    def methods(self, has_draft_model: bool) -> tuple[str, ...]:
+        """The proposers an engine with this config has."""
+        if self.method != "auto":
+            return (self.method,)
+        return ("draft", "suffix") if has_draft_model else ("suffix",)
 
     def nodes(self, k: int) -> int:
         """The most drafts a step of depth ``k`` verifies (a chain's k, a tree's k x width)."""

@@ -47,6 +47,8 @@ class Sequence:
         self.draft_rng = np.random.default_rng(None if entropy is None else [*entropy, 1])
         # The request's grammar, following this sample's committed tokens (structured output).
         self.constraint: Constraint | None = None
+        # The proposer drafting for it in the step being planned, run and committed.
+        self.draft_method: str | None = None
 
     @property
     def params(self) -> SamplingParams:

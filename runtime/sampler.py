@@ -18,6 +18,7 @@ import tvm.runtime
 
 from .artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
 from .params import SamplingParams
+from .rows import take
 
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT, MASK = SAMPLER_FUNCTIONS
 PROBS_TOP_CANDIDATES, TOP_TOKENS = CPU_SAMPLER_FUNCTIONS
@@ -29,14 +30,18 @@ _BELOW_ONE = np.nextafter(np.float32(1), np.float32(0))
 @dataclasses.dataclass
 class DraftProbs:
     """The distributions drafts were sampled from, kept on the device: ``data`` ``[rows, V]``
-    and, per sequence, the row of ``data`` each of its drafts was sampled from."""
+    and, per sequence, the row of ``data`` each of its drafts was sampled from, or None where
+    its drafts are point masses (a model-free proposer's, beside a draft model's)."""
 
     data: tvm.runtime.Tensor
-    rows: list[np.ndarray]
+    rows: list[np.ndarray | None]
 
     def first(self, counts: Sequence[int]) -> DraftProbs:
         """The rows of each sequence's first ``counts[i]`` drafts."""
-        return DraftProbs(self.data, [r[:c] for r, c in zip(self.rows, counts, strict=True)])
+        return DraftProbs(
+            self.data,
+            [None if r is None else r[:c] for r, c in zip(self.rows, counts, strict=True)],
+        )
 
 
 class Sampler:
@@ -149,6 +154,10 @@ class Sampler:
         b = num_draft.size
         if not num_draft.any():  # nothing to accept: every sequence samples its one row
             return np.zeros(b, np.int64), self.sample(target_probs, sample_uniforms)
+        if draft_probs is not None and any(r is None for r in draft_probs.rows):
+            return self._verify_mixed(
+                target_probs, drafts, draft_probs, accept_uniforms, sample_uniforms
+            )
         offsets = np.concatenate([[0], np.cumsum(num_draft)])
         args = [
             self._put(np.concatenate(drafts), np.int32),
@@ -165,6 +174,41 @@ class Sampler:
         accepted, tokens = accepted.numpy().astype(np.int64), tokens.numpy().astype(np.int64)
         starts = offsets[:-1] + np.arange(b)
         emitted = [tokens[s : s + a + 1] for s, a in zip(starts, accepted, strict=True)]
+        return accepted, np.concatenate(emitted)
+
+    def _verify_mixed(
+        self,
+        target_probs: tvm.runtime.Tensor,
+        drafts: Sequence[np.ndarray],
+        draft_probs: DraftProbs,
+        accept_uniforms: np.ndarray,
+        sample_uniforms: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``verify_probs`` where some sequences' drafts are point masses and others' were
+        sampled: each group by its own rule, every sequence with its own rows and uniforms."""
+        num_draft = [len(d) for d in drafts]
+        first_row = np.cumsum([0] + [k + 1 for k in num_draft])
+        first_uniform = np.cumsum([0, *num_draft])
+        accepted, emitted = np.zeros(len(drafts), np.int64), [None] * len(drafts)
+        for point in (True, False):
+            group = [i for i, r in enumerate(draft_probs.rows) if (r is None) == point]
+            if not group:
+                continue
+            rows = [r for i in group for r in range(first_row[i], first_row[i + 1])]
+            uniforms = [accept_uniforms[first_uniform[i] : first_uniform[i + 1]] for i in group]
+            own, tokens = self.verify_probs(
+                take(target_probs, rows),
+                [drafts[i] for i in group],
+                None
+                if point
+                else DraftProbs(draft_probs.data, [draft_probs.rows[i] for i in group]),
+                np.concatenate(uniforms),
+                sample_uniforms[group],
+            )
+            for i, a, out in zip(
+                group, own, np.split(tokens, np.cumsum(own + 1)[:-1]), strict=True
+            ):
+                accepted[i], emitted[i] = a, out
         return accepted, np.concatenate(emitted)
 
 

@@ -99,6 +99,7 @@ class StepPlan:
     # reads the weights once for both.
     chunk: PrefillWork | None = None
     contexts: list[int] = dataclasses.field(default_factory=list)  # KV tokens per sequence
+    methods: list[str] = dataclasses.field(default_factory=list)  # proposer per sequence
 
     def attended(self, num_draft: list[int]) -> Attended:
         """What the target pass with ``num_draft`` drafts per sequence attends over."""
@@ -139,8 +140,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order; prefilling ones included
         self._admitted_ahead: list[Request] = []  # enter the cache at the next ``schedule``
-        # The speculation policy and what it learns from.
-        self.acceptance = AcceptanceEstimator()
+        # The speculation policy and what it learns from, per proposer (``auto`` has two).
+        self.proposers = proposer.by_method() if proposer else {}
+        self.acceptance = {m: AcceptanceEstimator() for m in self.proposers}
         self.costs = costs
         self.policy = GoodputPolicy()
         self.speculation_log = SpeculationLog()
@@ -277,7 +279,8 @@ class Scheduler:
         if self.proposer:
             self.proposer.remove(seq)
         if seq.finished:
-            self.acceptance.forget(seq.seq_id)
+            for estimator in self.acceptance.values():
+                estimator.forget(seq.seq_id)
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefilling(self) -> list[Sequence]:
@@ -384,37 +387,54 @@ class Scheduler:
         if not seqs or self.proposer is None:
             plan = StepPlan(seqs, [0] * len(seqs), [], None, len(seqs), contexts=contexts)
             return plan, preempted
-        estimates = [self.acceptance.estimate(s.seq_id) for s in seqs]
         if not any(caps):  # speculation off for every sequence: nothing for the policy to choose
             plain = self.costs.predict(StepShape(len(seqs), attended=Attended.of(contexts)))
+            estimates = [self._estimate(s, self._methods(s)[0]) for s in seqs]
             plan = StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs), contexts=contexts)
             return plan, preempted
-        batch = []
-        for seq, cap, estimate in zip(seqs, caps, estimates, strict=True):
+        options = []
+        for seq, cap in zip(seqs, caps, strict=True):
             automatic = self.pinned_k(seq.params) is None
-            if automatic and chunk_waits:
-                cap = 0
-            most = self.proposer.available(seq, cap) if cap else 0
-            batch.append(
-                Candidate(
-                    cap=most,
-                    pinned=None if automatic else most,
-                    acceptance=estimate,
-                    catch_up=self.proposer.catch_up(seq) if most else 0,
-                    tokens_left=seq.tokens_left,
-                    context=seq.kv_len,
-                )
-            )
-        decision = self.policy.choose(batch, self.costs, self.acceptance.calibration())
+            options.append(
+                {m: self._candidate(seq, m, 0 if automatic and chunk_waits else cap, automatic)
+                 for m in self._methods(seq)}
+            )  # fmt: skip
+        decision, methods = self.policy.choose_methods(options, self.costs)
+        for seq, method in zip(seqs, methods, strict=True):
+            seq.draft_method = method
         plan = StepPlan(
             seqs,
             decision.num_draft,
-            estimates,
+            [o[m].acceptance for o, m in zip(options, methods, strict=True)],
             decision.predicted_seconds,
             decision.expected_tokens,
             contexts=contexts,
+            methods=methods,
         )
         return plan, preempted
+
+    def _methods(self, seq: Sequence) -> list[str]:
+        """The proposers the policy may choose for ``seq``: the one its request pins, or all."""
+        pinned = seq.params.speculative_method
+        return [pinned] if pinned is not None else list(self.proposers)
+
+    def _estimate(self, seq: Sequence, method: str) -> float:
+        return self.acceptance[method].estimate(seq.seq_id)
+
+    def _candidate(self, seq: Sequence, method: str, cap: int, automatic: bool) -> Candidate:
+        """``seq`` drafting with ``method``'s proposer, up to what it has to offer."""
+        proposer = self.proposers[method]
+        most = proposer.available(seq, cap) if cap else 0
+        return Candidate(
+            cap=most,
+            pinned=None if automatic else most,
+            acceptance=self._estimate(seq, method),
+            catch_up=proposer.catch_up(seq) if most else 0,
+            tokens_left=seq.tokens_left,
+            context=seq.kv_len,
+            free=proposer.costs is self.costs.free,
+            calibration=self.acceptance[method].calibration(),
+        )
 
     def _preempt_newest(self) -> Request:
         """The newest request goes back to the queue's front; its pages are freed (its whole
@@ -467,9 +487,11 @@ class Scheduler:
                 [kept[j] for j in asked],
             )
         accepted = [len(path) for path in kept]
-        self.acceptance.fade([s.seq_id for s in seqs])
+        for estimator in self.acceptance.values():
+            estimator.fade([s.seq_id for s in seqs])
         for seq, k, a, i in zip(seqs, num_draft, accepted, rows, strict=True):
-            self.acceptance.observe(seq.seq_id, k, a, plan.acceptance[i])
+            if k:
+                self.acceptance[plan.methods[i]].observe(seq.seq_id, k, a, plan.acceptance[i])
             seq.stats.record_choice(plan.num_draft[i])
 
     def record_step(
@@ -500,6 +522,7 @@ class Scheduler:
                 seconds,
                 plan.expected_tokens,
                 emitted,
+                plan.methods,
             )
         )
 
@@ -509,10 +532,15 @@ class Scheduler:
         speculation)."""
         if self.proposer is None:
             return None
+        first = next(iter(self.acceptance.values()))
         return {
             **self.speculation_log.to_dict(),
-            "acceptance_prior": self.acceptance.prior(),
-            "acceptance_per_position": self.acceptance.per_position(),
+            "acceptance_prior": first.prior(),
+            "acceptance_per_position": first.per_position(),
+            "acceptance_by_method": {
+                m: {"prior": e.prior(), "per_position": e.per_position()}
+                for m, e in self.acceptance.items()
+            },
             "costs": self.costs.to_dict(),
         }
 

@@ -1,11 +1,13 @@
 """Suffix decoding in the server: ``mlc-spec bench serve`` on an editing workload (HumanEval
 solutions given back to add type hints and a docstring, each request sent twice, as agents
 send context again), HumanEval and ShareGPT, with no speculation, automatic prompt lookup and
-automatic suffix decoding, every server loaded in turn at each concurrency. Written to
-docs/benchmarks.md with the goals' verdicts: suffix >= 1.5x no speculation and >= 1.2x prompt
-lookup on the editing workload; automatic speculation >= 1.0x no speculation in every cell.
+automatic suffix decoding (and, for the Qwen pair, the automatic 0.5B draft and method auto,
+which chooses between it and suffix decoding per request and step), every server loaded in
+turn at each concurrency. Written to docs/benchmarks.md with the goals' verdicts:
+suffix >= 1.5x no speculation and >= 1.2x prompt lookup on the editing workload; automatic
+speculation >= 1.0x no speculation in every cell.
 
-    python scripts/bench_suffix.py [--write docs/benchmarks.md]
+    python scripts/bench_suffix.py [--pair smollm2|qwen] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from mlc_spec.serve import bench
 
 DATASETS = ("editing", "humaneval", "sharegpt")
 CONCURRENCY = (1, 4, 16)
-NONE, NGRAM, SUFFIX = "off", "ngram k=auto", "suffix k=auto"
+NONE, NGRAM, SUFFIX, AUTO = "off", "ngram k=auto", "suffix k=auto", "auto k=auto"
+TITLES = {
+    "smollm2": "SmolLM2-135M-Instruct, int8 activations",
+    "qwen": "Qwen2.5-Coder-1.5B-Instruct, 0.5B draft, int8 activations",
+}
 
 
 def _ratio(settings: dict, a: str, b: str, level: int) -> tuple[float, str]:
@@ -39,7 +45,7 @@ def _ratio(settings: dict, a: str, b: str, level: int) -> tuple[float, str]:
 def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
     settings0 = next(iter(results.values()))["settings"]
     lines = [
-        f"### SmolLM2-135M-Instruct, int8 activations, `{cpu_class()}`",
+        f"### {TITLES[args.pair]}, `{cpu_class()}`",
         "",
         *machine_context(load, "mlc-spec serve", "2 everywhere"),
         f"- Load: max({args.min_requests}, {args.rounds} x concurrency) requests per level and "
@@ -48,8 +54,8 @@ def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
         f"streamed; batch {args.max_batch_size}, {args.max_total_len} tokens of KV cache, prefix "
         "cache on; at most 6 drafts per step",
         "",
-        "| dataset | server | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |",
-        "|---|---|" + "---:|" * len(CONCURRENCY),
+        "| dataset | server | " + " | ".join(f"C={c}" for c in args.concurrency) + " |",
+        "|---|---|" + "---:|" * len(args.concurrency),
     ]
     for dataset, res in results.items():
         for label, rows in res["settings"].items():
@@ -64,8 +70,8 @@ def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
     over_none, over_ngram, autos = [], [], []
     for dataset, res in results.items():
         s = res["settings"]
-        for i, c in enumerate(CONCURRENCY):
-            for auto in (NGRAM, SUFFIX):
+        for i, c in enumerate(args.concurrency):
+            for auto in (label for label in s if label != NONE):
                 autos.append((f"{dataset} C={c} {auto}", *_ratio(s, auto, NONE, i)))
             if dataset == "editing":
                 over_none.append((f"C={c}", *_ratio(s, SUFFIX, NONE, i)))
@@ -85,7 +91,18 @@ def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
         "- Automatic speculation >= 1.0x no speculation in every cell: "
         f"{verdict(all(r >= 1.0 for _, r, _ in autos), load)} ({listed(autos)})",
     ]
-    assert list(settings0) == [NONE, NGRAM, SUFFIX], list(settings0)
+    if AUTO in settings0:  # method auto against the best of the servers with one proposer
+        best = []
+        for dataset, res in results.items():
+            s = res["settings"]
+            for i, c in enumerate(args.concurrency):
+                rival = max((x for x in s if x != AUTO), key=lambda x: s[x][i]["output_throughput"])
+                best.append((f"{dataset} C={c} vs {rival}", *_ratio(s, AUTO, rival, i)))
+        lines.append(
+            "- Method auto >= 0.95x the best fixed configuration in every cell: "
+            f"{verdict(all(r >= 0.95 for _, r, _ in best), load)} ({listed(best)})"
+        )
+    assert list(settings0)[:3] == [NONE, NGRAM, SUFFIX], list(settings0)
     return "\n".join(lines)
 
 
@@ -98,27 +115,36 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-total-len", type=int, default=16384)
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
+    parser.add_argument("--pair", choices=list(TITLES), default="smollm2")
     parser.add_argument("--write", type=Path, help="replace this benchmark's section of this page")
     args = parser.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    model = compiled("smollm2-135m-instruct", activations="int8")
+    servers, draft = ["none", "ngram:auto", "suffix:auto"], []
+    if args.pair == "qwen":
+        model = compiled("qwen2.5-coder-1.5b-instruct", activations="int8")
+        servers += ["draft:auto", "auto:auto"]
+        draft = ["--draft-model", str(compiled("qwen2.5-coder-0.5b-instruct", activations="int8"))]
+    else:
+        model = compiled("smollm2-135m-instruct", activations="int8")
     load = start_load()
     results = {}
     for dataset in args.datasets:
         cli = argparse.ArgumentParser()
         bench.add_arguments(cli)
-        argv = ["--model", str(model), "--speculative", "none", "ngram:auto", "suffix:auto"]
-        argv += ["--dataset", dataset, "--concurrency", *map(str, CONCURRENCY)]
+        argv = ["--model", str(model), *draft, "--speculative", *servers]
+        argv += ["--dataset", dataset, "--concurrency", *map(str, args.concurrency)]
         argv += ["--rounds", str(args.rounds), "--min-requests", str(args.min_requests)]
         argv += ["--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens)]
         argv += ["--max-batch-size", str(args.max_batch_size)]
         argv += ["--max-total-len", str(args.max_total_len)]
-        argv += ["--output-dir", str(SCRATCH / f"suffix-{dataset}")]
+        argv += ["--output-dir", str(SCRATCH / f"suffix-{args.pair}-{dataset}")]
         results[dataset] = bench.bench(cli.parse_args(argv))
     text = section(results, load, args)
     print(text)
     if args.write:
-        write_section(args.write, f"bench_suffix-{cpu_class()}", text)
+        pair = "" if args.pair == "smollm2" else f"-{args.pair}"
+        write_section(args.write, f"bench_suffix{pair}-{cpu_class()}", text)
 
 
 if __name__ == "__main__":

@@ -126,9 +126,10 @@ HEADLINE = (
     ),
     Group(
         "Suffix decoding in the server: edits sent twice, HumanEval, ShareGPT",
-        rf"bench_suffix{_CPU}",
-        1,
-        "`python scripts/bench_suffix.py --write docs/benchmarks.md`",
+        rf"bench_suffix(?:-qwen)?{_CPU}",
+        2,
+        "`python scripts/bench_suffix.py --write docs/benchmarks.md` (and `--pair qwen "
+        "--datasets editing humaneval --concurrency 1 4`)",
     ),
     Group(
         "Structured output with speculation: JSON extraction with and without the schema",

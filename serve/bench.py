@@ -401,14 +401,14 @@ def machine() -> dict[str, Any]:
 
 def speculation_setting(value: str) -> str:
     """``none``, or a proposer with an optional draft length: ``ngram``, ``suffix``, ``draft:4``,
-    ``ngram:auto`` (the length without a suffix is ``-k``'s)."""
+    ``ngram:auto``, ``auto:auto`` (the length without a suffix is ``-k``'s)."""
     method, _, k = value.partition(":")
-    if method not in ("none", "ngram", "suffix", "draft") or (
+    if method not in ("none", "ngram", "suffix", "draft", "auto") or (
         k and k != "auto" and not k.isdigit()
     ):
         raise argparse.ArgumentTypeError(
-            "expected none, ngram[:K], suffix[:K] or draft[:K] with K a number or auto, got "
-            f"{value!r}"
+            "expected none, ngram[:K], suffix[:K], draft[:K] or auto[:K] with K a number or auto, "
+            f"got {value!r}"
         )
     return value
 
@@ -452,7 +452,7 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
         serve_args += ["--max-total-len", str(args.max_total_len)]
         serve_args += ["--max-waiting", str(max(args.concurrency) + 1)]
         serve_args += ["--model", args.model]
-        if method == "draft" and args.draft_model:
+        if method in ("draft", "auto") and args.draft_model:
             serve_args += ["--draft-model", args.draft_model]
         for cached, replicas in itertools.product(caching, args.replicas):
             label, cmd, env = setting_label(speculative, args.k), list(serve_args), None
@@ -743,7 +743,8 @@ def add_arguments(p) -> None:
         type=speculation_setting,
         default=["none", "suffix"],
         help="one server per setting, one line each in the plots: none, or ngram / suffix / "
-        "draft with an optional draft length, e.g. ngram:4 suffix:auto",
+        "draft / auto (suffix and the draft, chosen per request and step) with an optional "
+        "draft length, e.g. ngram:4 suffix:auto",
     )
     p.add_argument(
         "-k", type=draft_length, default="4", help="draft tokens per step: a number or auto"

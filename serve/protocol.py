@@ -4,10 +4,10 @@ Requests are validated strictly (a string is not a number) and turned into ``Sam
 fields the engine cannot honour (penalties, logit bias, echo, the deprecated ``functions``) are
 refused with a 400 rather than silently ignored. Chat requests may carry ``tools``
 (``runtime/tool_calls.py``). Other unknown fields are ignored, as OpenAI's own server and vLLM
-do. ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``num_speculative_tokens`` and the
-structured-output fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
-``guided_grammar`` are vLLM-style extra fields; ``response_format`` (``json_object``,
-``json_schema``) is OpenAI's.
+do. ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``num_speculative_tokens``,
+``speculative_method`` and the structured-output fields ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar`` are vLLM-style extra fields; ``response_format``
+(``json_object``, ``json_schema``) is OpenAI's.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
+    speculative_method: Literal["draft", "ngram", "suffix"] | None = None
     # Accepted only at their no-op values: anything else would be silently wrong.
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
@@ -173,6 +174,7 @@ class _SamplingRequest(_Request):
             n=self.n,
             logprobs=self._logprobs(),
             num_speculative_tokens=self.num_speculative_tokens,
+            speculative_method=self.speculative_method,
             structured_output=self._structured_output(tool_format),
         )
 

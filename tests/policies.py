@@ -10,7 +10,8 @@ from mlc_spec.runtime.speculation import Candidate, Decision, StepCosts
 
 
 class RandomK:
-    """k uniform in 0..cap per sequence and step; requests that pinned their k keep it."""
+    """k uniform in 0..cap per sequence and step; requests that pinned their k keep it. With
+    several proposers (method auto), each sequence's proposer is drawn too."""
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
@@ -23,3 +24,9 @@ class RandomK:
             for c in batch
         ]
         return Decision(ks, None, 0.0)
+
+    def choose_methods(
+        self, options: list[dict[str, Candidate]], costs: StepCosts
+    ) -> tuple[Decision, list[str]]:
+        methods = [list(o)[int(self.rng.integers(0, len(o)))] for o in options]
+        return self.choose([o[m] for o, m in zip(options, methods, strict=True)], costs), methods

@@ -277,6 +277,16 @@ def test_bad_input_is_rejected_without_leaks(tiny_llama, tiny_qwen2, tmp_path):
         LLM(tiny_llama.artifact, speculative={"method": "eagle"})
     with pytest.raises(UserError, match="needs draft_model"):
         LLM(tiny_llama.artifact, speculative={"method": "draft"})
+    # A request may pin only a proposer the engine has, as a ValueError.
+    with pytest.raises(ValueError, match="unknown speculative_method 'eagle'"):
+        SamplingParams(speculative_method="eagle")
+    with pytest.raises(ValueError, match=r"'draft' is not one this engine has \(it has suffix\)"):
+        LLM(tiny_llama.artifact, speculative={"method": "auto"}).generate(
+            [[5, 6]], SamplingParams(speculative_method="draft")
+        )
+    with pytest.raises(ValueError, match="it has none: no speculation"):
+        llm.generate([[5, 6]], SamplingParams(speculative_method="suffix"))
+    _no_leak(llm)
 
 
 def test_draft_with_another_vocabulary_is_rejected(tiny_llama, tiny_llama_v8):

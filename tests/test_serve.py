@@ -280,6 +280,12 @@ def test_64_concurrent_streams(server, tiny_llama):
             400,
             "json_schema",
         ),
+        (
+            "/v1/completions",
+            {"prompt": "w5", "speculative_method": "draft"},
+            400,
+            "speculative_method 'draft' is not one this engine has (it has ngram)",
+        ),
         ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "does not exist"),
         ("/v1/embeddings", {}, 404, "Not Found"),
     ],

@@ -4,6 +4,8 @@ activations alike (``target``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from tiny_models import VOCAB
@@ -62,6 +64,23 @@ def test_draft_tree_is_lossless(target, tiny_llama_draft, reference, k, width):
     tree, plain = llm.metrics(), chain.metrics()
     assert tree["num_draft_tokens"] > plain["num_draft_tokens"]  # several nodes per depth
     assert tree["num_accepted_tokens"] > plain["num_accepted_tokens"]
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
+def test_auto_is_lossless_with_both_proposers_in_one_step(target, tiny_llama_draft, reference):
+    """Method auto: each sequence drafts with the draft model or suffix decoding, as its
+    request pins (method, k or both) or the policy chooses per step; both kinds of drafts in
+    one verify pass still give the plain output, and both proposers drafted."""
+    llm = LLM(
+        target.artifact, draft_model=tiny_llama_draft.artifact, speculative={"method": "auto"}
+    )
+    pins = [("draft", 2), ("suffix", 2), (None, None), ("draft", None), (None, 3)]
+    params = [
+        dataclasses.replace(GREEDY, speculative_method=m, num_speculative_tokens=k) for m, k in pins
+    ]
+    assert _token_ids(llm, _prompts(), params) == reference
+    by_method = llm.metrics()["speculation"]["drafting_sequence_steps_by_method"]
+    assert by_method.get("draft", 0) > 0 and by_method.get("suffix", 0) > 0, by_method
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
 

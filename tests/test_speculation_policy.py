@@ -451,3 +451,70 @@ def test_warm_up_keeps_each_size_fastest_sweep(monkeypatch):
     seconds = warm_up.time_passes(model, _Cache(), "decode", passes, chunk_size=64)
     assert seconds == pytest.approx([0.010, 0.020, 0.030])
     assert warm_up.SWEEPS >= 2
+
+
+def auto_costs(free_per_sequence: float = 0.0002) -> StepCosts:
+    """The int8 pair at batch 1 with suffix decoding beside the draft: its lookup is host work
+    per drafting sequence, not a pass."""
+    step = int8_batch_of_one()
+    step.free = DraftCosts(model=False, per_sequence=RunningMean(free_per_sequence))
+    return step
+
+
+def options(draft: float, suffix: float, suffix_cap: int = K) -> dict[str, Candidate]:
+    return {
+        "draft": Candidate(cap=K, pinned=None, acceptance=draft, catch_up=1),
+        "suffix": Candidate(cap=suffix_cap, pinned=None, acceptance=suffix, free=True),
+    }
+
+
+def test_a_free_proposer_is_priced_per_sequence_not_by_passes():
+    """Suffix drafts beside a draft model add the verify's tokens and the lookup, never the
+    draft model's passes."""
+    step = auto_costs()
+    shape = StepShape.of([3], [1], free=[True])
+    assert shape.free == 1 and shape.drafting == [] and shape.drafts == 3
+    assert step.predict(shape) == pytest.approx(0.127 + 0.0002)
+    mixed = StepShape.of([2, 3], [1, 1], free=[False, True])
+    assert mixed.drafting == [1, 1] and mixed.free == 1 and mixed.drafts == 5
+
+
+def test_the_policy_picks_each_sequences_proposer_by_goodput():
+    """One sequence, the Qwen pair's costs: suffix drafts cost only verify tokens, the draft's
+    a pass each. Suffix decoding wins where it is as likely as the draft (and where it is
+    somewhat less likely: it is free); the draft wins where suffix decoding has no draft or
+    much lower acceptance. Either way the k is the one ``choose`` gives that proposer."""
+    policy, step = GoodputPolicy(), auto_costs()
+    decision, methods = policy.choose_methods([options(0.8, 0.8)], step)
+    assert methods == ["suffix"] and decision.num_draft == choose(
+        [options(0.8, 0.8)["suffix"]], step
+    )
+    assert policy.choose_methods([options(0.8, 0.6)], step)[1] == ["suffix"]
+    assert policy.choose_methods([options(0.8, 0.8, suffix_cap=0)], step)[1] == ["draft"]
+    assert policy.choose_methods([options(0.9, 0.2)], step)[1] == ["draft"]
+    # Nothing drafts where neither pays: the plain decode path.
+    decision, _ = policy.choose_methods([options(0.05, 0.05)], step)
+    assert decision.num_draft == [0]
+
+
+def test_the_policy_mixes_proposers_in_a_batch():
+    """Two sequences: one whose suffix tree matches, one whose does not. The best assignment
+    drafts each with its own proposer in one step; a sequence whose request pinned a method
+    keeps it."""
+    # A flat 30 ms pass, 1 ms more per verified token; a draft pass of 3 ms.
+    cheap = DraftCosts(
+        model=True,
+        first=CostTable({n: 0.003 for n in range(1, 20)}),
+        next=CostTable({n: 0.003 for n in range(1, 20)}),
+    )
+    step = costs(lambda n: 0.030, lambda n: 0.029 + 0.001 * n, draft=cheap)
+    step.free = DraftCosts(model=False, per_sequence=RunningMean(0.0002))
+    decision, methods = GoodputPolicy().choose_methods(
+        [options(0.8, 0.95), options(0.8, 0.8, suffix_cap=0)], step
+    )
+    assert methods == ["suffix", "draft"] and all(decision.num_draft)
+    pinned = {"draft": options(0.8, 0.95)["draft"]}
+    assert GoodputPolicy().choose_methods([pinned, options(0.8, 0.95)], step)[1] == [
+        "draft",
+        "suffix",
+    ]

@@ -21,7 +21,7 @@ from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.runtime import draft_tree
 from mlc_spec.runtime import engine as engine_module
-from mlc_spec.runtime.sampler import Sampler
+from mlc_spec.runtime.sampler import DraftProbs, Sampler
 
 V = SMALL_VOCAB
 PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repeats, so prompt lookup proposes too
@@ -100,6 +100,42 @@ def test_speculative_sampling_matches_target_distribution(pair, method, name):
     assert not chi2_rejects(counts.ravel(), joint.ravel())
     stats = llm.metrics()
     assert 0.05 < stats["acceptance_rate"] < 0.95, stats  # both accept and reject happened
+
+
+def test_sampling_is_exact_with_both_proposers_in_one_step(pair, monkeypatch):
+    """Method auto with each sequence's proposer and k drawn at random per step: a verify pass
+    holds the draft model's sampled drafts and suffix decoding's point masses side by side,
+    each sequence accepted by its own rule, and the joint law is the target's. A merge that
+    hands the point masses a distribution of the draft model's (its first row) is caught."""
+    target, draft = pair
+    joint = exact_joint(target.hf, SamplingParams(**PARAMS["temperature 1"]))
+
+    def counts() -> tuple[np.ndarray, dict]:
+        llm = LLM(
+            target.artifact,
+            draft_model=draft.artifact,
+            speculative={"method": "auto"},
+            max_batch_size=64,
+        )
+        llm.engine.scheduler.policy = RandomK(seed=5)
+        found = sample_counts(llm, PARAMS["temperature 1"])
+        return found, llm.metrics()["speculation"]["drafting_sequence_steps_by_method"]
+
+    found, by_method = counts()
+    assert by_method["draft"] > 0 and by_method["suffix"] > 0, by_method
+    assert not chi2_rejects(found.ravel(), joint.ravel())
+
+    def misattributed(self, target_probs, drafts, draft_probs, *uniforms):
+        rows = [
+            np.zeros(len(d), np.int64) if r is None else r
+            for d, r in zip(drafts, draft_probs.rows, strict=True)
+        ]
+        return self.verify_probs(
+            target_probs, drafts, DraftProbs(draft_probs.data, rows), *uniforms
+        )
+
+    monkeypatch.setattr(Sampler, "_verify_mixed", misattributed)
+    assert chi2_rejects(counts()[0].ravel(), joint.ravel())
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])

@@ -49,7 +49,7 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None, dict | None]:
         from mlc_spec.compiler.cache import compiled, compiled_with_draft
 
         name = _pypi_name("--model", model)
-        if draft is None and method in (None, "draft"):
+        if draft is None and method in (None, "draft", "auto"):
             model, draft = compiled_with_draft(name)
         else:
             model = compiled(name)
@@ -203,9 +203,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative",
-        choices=["none", "ngram", "suffix", "draft"],
+        choices=["none", "ngram", "suffix", "draft", "auto"],
         help="default: draft where there is a draft model, else suffix (suffix trees over the "
-        "prompt and earlier requests' outputs; ngram: prompt lookup alone)",
+        "prompt and earlier requests' outputs; ngram: prompt lookup alone; auto: suffix and the "
+        "draft model, chosen per request and step)",
     )
     p.add_argument(
         "-k",

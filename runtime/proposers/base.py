@@ -28,7 +28,13 @@ class Proposal:
 class Proposer(abc.ABC):
     """A proposer measures its own costs into ``costs`` as it runs, for the speculation policy."""
 
+    method: str  # its name in ``SpeculativeConfig.method`` and ``speculative_method``
     costs: DraftCosts
+
+    def by_method(self) -> dict[str, Proposer]:
+        """The proposers the policy chooses among, by method (this one alone, but for
+        ``auto``)."""
+        return {self.method: self}
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:

@@ -10,6 +10,7 @@ from mlc_spec.errors import UserError
 from ..model import Model
 from ..params import EngineConfig, SpeculativeConfig
 from ..tokenizer import Tokenizer
+from .auto import AutoProposer
 from .base import Proposer
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
@@ -25,13 +26,30 @@ def build_proposer(
 ) -> Proposer | None:
     """The proposer for ``spec`` (none without speculation); a draft model is loaded and
     checked against the target's vocabulary."""
-    if spec is not None and (spec.method == "draft") != (draft_model is not None):
-        raise UserError("speculative method 'draft' needs draft_model, and only it uses one")
     if spec is None:
         return None
-    if spec.method == "ngram":
+    if (spec.method == "draft" and draft_model is None) or (
+        spec.method not in ("draft", "auto") and draft_model is not None
+    ):
+        raise UserError(
+            "speculative method 'draft' needs draft_model, and only it and 'auto' use one"
+        )
+    methods = spec.methods(draft_model is not None)
+    proposers = {m: _proposer(m, spec, draft_model, target, tokenizer, config) for m in methods}
+    return AutoProposer(proposers) if spec.method == "auto" else proposers[spec.method]
+
+
+def _proposer(
+    method: str,
+    spec: SpeculativeConfig,
+    draft_model: str | Path | None,
+    target: Model,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+) -> Proposer:
+    if method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "suffix":
+    if method == "suffix":
         return SuffixProposer(
             spec.suffix_decoding_max_tree_depth,
             spec.suffix_decoding_max_spec_factor,

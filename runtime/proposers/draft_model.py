@@ -39,6 +39,8 @@ class DraftModelProposer(Proposer):
     chosen, not sampled, so every request verifies them as point masses.
     """
 
+    method = "draft"
+
     def __init__(
         self,
         model: Model,

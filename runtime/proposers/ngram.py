@@ -13,6 +13,8 @@ class NgramProposer(ModelFreeProposer):
     """The native index is extended with each sequence's new tokens and answers in O(match)
     per step."""
 
+    method = "ngram"
+
     def __init__(self, min_n: int, max_n: int):
         super().__init__()
         self.min_n, self.max_n = min_n, max_n

@@ -16,6 +16,8 @@ class SuffixProposer(ModelFreeProposer):
     (``min_token_prob``; at most ``max_spec_factor`` times the match's length), and may come
     from another request."""
 
+    method = "suffix"
+
     def __init__(
         self, max_depth: int, max_spec_factor: float, min_token_prob: float, cache_bytes: int
     ):

@@ -101,22 +101,30 @@ class Attended:
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
     pass (at most ``STEADY_CATCH_UP`` per sequence), ``drafting[j]``, how many sequences
-    draft a (j+1)-th token (``drafts`` in all), and the context its rows and its drafts attend
-    over (``Attended``)."""
+    draft a (j+1)-th token with the step's proposer, ``free``, how many draft with the
+    model-free proposer beside a draft model (method ``auto``), ``drafts`` in all, and the
+    context its rows and its drafts attend over (``Attended``)."""
 
     rows: int
     catch_up: int = 0
     drafting: list[int] = dataclasses.field(default_factory=list)
+    free: int = 0
     drafts: int = 0
     attended: Attended = dataclasses.field(default_factory=Attended)
 
-    def add_draft(self, k_before: int, catch_up: int, context: int = REFERENCE_CONTEXT) -> None:
-        """One more draft for a sequence that had ``k_before`` and holds ``context`` tokens."""
-        if k_before == 0:
-            self.catch_up += min(catch_up, STEADY_CATCH_UP)
-        if k_before == len(self.drafting):
-            self.drafting.append(0)
-        self.drafting[k_before] += 1
+    def add_draft(
+        self, k_before: int, catch_up: int, context: int = REFERENCE_CONTEXT, free: bool = False
+    ) -> None:
+        """One more draft for a sequence that had ``k_before`` and holds ``context`` tokens,
+        from the model-free proposer beside the model where ``free``."""
+        if free:
+            self.free += k_before == 0
+        else:
+            if k_before == 0:
+                self.catch_up += min(catch_up, STEADY_CATCH_UP)
+            if k_before == len(self.drafting):
+                self.drafting.append(0)
+            self.drafting[k_before] += 1
         self.drafts += 1
         self.attended.drafts += context - REFERENCE_CONTEXT
 
@@ -126,12 +134,14 @@ class StepShape:
         num_draft: Sequence[int],
         catch_up: Sequence[int],
         contexts: Sequence[int] | None = None,
+        free: Sequence[bool] | None = None,
     ) -> StepShape:
         contexts = contexts or [REFERENCE_CONTEXT] * len(num_draft)
+        free = free or [False] * len(num_draft)
         shape = cls(len(num_draft), attended=Attended.of(contexts))
-        for k, c, context in zip(num_draft, catch_up, contexts, strict=True):
+        for k, c, context, f in zip(num_draft, catch_up, contexts, free, strict=True):
             for j in range(k):
-                shape.add_draft(j, c, context)
+                shape.add_draft(j, c, context, f)
         return shape
 
 
@@ -171,7 +181,7 @@ class DraftCosts:
         return max(0.0, whole - steady)
 
     def predict(self, shape: StepShape) -> float | None:
-        if not shape.drafts:
+        if not shape.drafting:
             return 0.0
         seconds = shape.drafting[0] * (self.per_sequence.value or 0.0)
         if not self.model:
@@ -220,6 +230,9 @@ class StepCosts:
     verify: CostTable
     draft: DraftCosts
     per_row: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(0.0))
+    # Method ``auto``: the model-free proposer beside the draft model (``draft``), per drafting
+    # sequence (``StepShape.free``).
+    free: DraftCosts | None = None
     attention: Attention = dataclasses.field(default_factory=Attention)
     shapes: dict[int, dict[int, RunningMean]] = dataclasses.field(default_factory=dict)
     estimate_bias: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(1.0))
@@ -230,6 +243,8 @@ class StepCosts:
         if target is None or draft is None:
             return None
         rest = shape.rows * (self.per_row.value or 0.0)
+        if shape.free:
+            rest += shape.free * (self.free.per_sequence.value or 0.0)
         return target + self.attention.seconds(shape.attended) + draft + rest
 
     def plain(self, contexts: Sequence[int]) -> float | None:
@@ -289,6 +304,7 @@ class StepCosts:
             "draft_first_pass_by_tokens": self.draft.first.to_dict(),
             "draft_next_pass_by_rows": self.draft.next.to_dict(),
             "propose_per_sequence": self.draft.per_sequence.value,
+            "model_free_propose_per_sequence": self.free and self.free.per_sequence.value,
             "unrun_shape_bias": self.estimate_bias.value,
             "rest_per_row": self.per_row.value,
             "attention_per_context_token": dataclasses.asdict(self.attention),

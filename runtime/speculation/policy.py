@@ -39,6 +39,9 @@ class Candidate:
     catch_up: int = 1  # tokens the draft model reads before its first draft
     tokens_left: int = HORIZON_TOKENS  # tokens the request may still emit
     context: int = REFERENCE_CONTEXT  # tokens in its KV cache, which its tokens attend over
+    free: bool = False  # drafts with the model-free proposer beside a draft model (``auto``)
+    # Its proposer's calibration (``AcceptanceEstimator.calibration``); None: the batch's.
+    calibration: Sequence[float] | None = None
 
 
 @dataclasses.dataclass
@@ -65,15 +68,18 @@ class GoodputPolicy:
     ) -> Decision:
         num_draft = [c.pinned if c.pinned is not None else 0 for c in batch]
         catch_up = [c.catch_up for c in batch]
+        calibrations = [calibration if c.calibration is None else c.calibration for c in batch]
         # Per sequence: its catch-up's whole cost, and that cost per token it has left.
-        once = [costs.draft.catch_up_seconds(n) or 0.0 for n in catch_up]
+        once = [0.0 if c.free else costs.draft.catch_up_seconds(c.catch_up) or 0.0 for c in batch]
         share = [once[i] / max(1, min(c.tokens_left, HORIZON_TOKENS)) for i, c in enumerate(batch)]
         emitted = [
-            expected_tokens(c.acceptance, k, calibration)
-            for c, k in zip(batch, num_draft, strict=True)
+            expected_tokens(c.acceptance, k, cal)
+            for c, k, cal in zip(batch, num_draft, calibrations, strict=True)
         ]
         drafting = [i for i, k in enumerate(num_draft) if k]
-        shape = StepShape.of(num_draft, catch_up, [c.context for c in batch])
+        shape = StepShape.of(
+            num_draft, catch_up, [c.context for c in batch], [c.free for c in batch]
+        )
         tokens = sum(emitted)
         whole = sum(once[i] for i in drafting)  # paid in this step
         spread = sum(share[i] * emitted[i] for i in drafting)
@@ -82,7 +88,7 @@ class GoodputPolicy:
         # Next drafts by their chance to be emitted: c_k alpha^(k+1) for the (k+1)-th.
         chance = [c.acceptance for c in batch]  # alpha^(k+1), uncalibrated
         queue = [
-            (-_factor(calibration, 0) * c.acceptance, i)
+            (-_factor(calibrations[i], 0) * c.acceptance, i)
             for i, c in enumerate(batch)
             if c.pinned is None and c.cap > 0
         ]
@@ -94,13 +100,13 @@ class GoodputPolicy:
             if num_draft[i] == 0:  # starts drafting: its catch-up, and its one emitted token
                 whole += once[i]
                 spread += share[i]
-            shape.add_draft(num_draft[i], catch_up[i], batch[i].context)
+            shape.add_draft(num_draft[i], catch_up[i], batch[i].context, batch[i].free)
             num_draft[i] += 1
             tokens -= gain
             spread -= gain * share[i]
             if num_draft[i] < batch[i].cap:
                 chance[i] *= batch[i].acceptance
-                heapq.heappush(queue, (-_factor(calibration, num_draft[i]) * chance[i], i))
+                heapq.heappush(queue, (-_factor(calibrations[i], num_draft[i]) * chance[i], i))
             step = costs.predict(shape)
             if step is None:
                 continue
@@ -108,6 +114,37 @@ class GoodputPolicy:
             if tokens * best.charged_seconds > best.expected_tokens * candidate.charged_seconds:
                 best = candidate
         return best
+
+    def choose_methods(
+        self, options: list[dict[str, Candidate]], costs: StepCosts
+    ) -> tuple[Decision, list[str]]:
+        """Each sequence's proposer as well as its draft count, where sequences have several
+        (``options[i]`` by method, each candidate with its own acceptance, catch-up and
+        calibration): the best of ``choose`` over the assignments that give every sequence the
+        same proposer where it has it, and the one that gives each sequence its likeliest
+        first draft. At one sequence that is every assignment."""
+        assignments = [
+            tuple(method if method in o else next(iter(o)) for o in options)
+            for method in dict.fromkeys(m for o in options for m in o)
+        ]
+        assignments.append(
+            tuple(max(o, key=lambda m, o=o: (o[m].cap > 0) * o[m].acceptance) for o in options)
+        )
+        best: tuple[Decision, list[str]] | None = None
+        for methods in dict.fromkeys(assignments):
+            decision = self.choose([o[m] for o, m in zip(options, methods, strict=True)], costs)
+            if best is None or _faster(decision, best[0]):
+                best = decision, list(methods)
+        return best
+
+
+def _faster(a: Decision, b: Decision) -> bool:
+    """``a`` expects more tokens per (charged) second than ``b``."""
+    if a.charged_seconds is None:
+        return False
+    if b.charged_seconds is None:
+        return True
+    return a.expected_tokens * b.charged_seconds > b.expected_tokens * a.charged_seconds
 
 
 def _decision(
