@@ -110,7 +110,7 @@ _NAMES = {
     "regex": "regex",
     "choice": "choice",
     "grammar": "grammar",
-    "structural_tag": "structural tag",
+    "structural_tag": "structural tag (a forced tool_choice's: the tools' parameters)",
 }
 
 
