@@ -6,6 +6,7 @@ on code should agree with its target most of the time, or speculation cannot pay
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -91,6 +92,29 @@ def test_int8_pair_is_lossless_for_every_k(qwen_pair):
     for k in [*range(1, 9), "auto"]:
         spec = {"method": "draft", "num_speculative_tokens": k, "max_speculative_tokens": 8}
         assert outputs(draft_model=draft, speculative=spec) == plain, k
+
+
+def test_int8_pair_method_auto_is_lossless():
+    """Method auto on the real pair, four HumanEval prompts sent twice (the second round finds
+    the first's outputs in the suffix cache): requests that pin the draft or suffix decoding
+    (with k = 3: at 8 sequences the policy would draft little) and requests left to the policy
+    share each verify pass, and every output is the plain one token for token, with both
+    proposers drafting."""
+    target = compiled("qwen2.5-coder-1.5b-instruct", activations="int8", show_progress=False)
+    draft = compiled("qwen2.5-coder-0.5b-instruct", activations="int8", show_progress=False)
+    prompts = script("workloads").humaneval_prompts(4) * 2
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    pins = [
+        dataclasses.replace(greedy, speculative_method=m, num_speculative_tokens=k)
+        for m, k in (("draft", 3), ("suffix", 3), (None, None))
+    ]
+    plain = LLM(target, max_total_len=8192).generate(prompts, greedy)
+    llm = LLM(target, draft_model=draft, speculative={"method": "auto"}, max_total_len=8192)
+    outs = llm.generate(prompts, [pins[i % 3] for i in range(len(prompts))])
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    by_method = llm.metrics()["speculation"]["drafting_sequence_steps_by_method"]
+    assert by_method.get("draft", 0) > 0 and by_method.get("suffix", 0) > 0, by_method
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
 
 def test_int8_pair_trees_and_structured_output_through_the_openai_client():
