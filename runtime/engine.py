@@ -151,14 +151,9 @@ class Engine:
         self.capacity_pages = self.kv.available_pages()
         draft_costs = proposer.costs if proposer else DraftCosts(model=False)
         # Method auto: the model-free proposer's costs beside the draft model's.
-        free = [p.costs for p in (proposer.by_method() if proposer else {}).values()]
-        free = [c for c in free if c is not draft_costs]
-        costs = StepCosts(
-            decode=CostTable(),
-            verify=CostTable(),
-            draft=draft_costs,
-            free=free[0] if free else None,
-        )
+        others = (proposer.by_method() if proposer else {}).values()
+        free = next((p.costs for p in others if p.costs is not draft_costs), None)
+        costs = StepCosts(decode=CostTable(), verify=CostTable(), draft=draft_costs, free=free)
         self.scheduler = Scheduler(config, self.kv, proposer, speculative, costs)
         self.eos_ids = set(target.config.get("eos_token_ids") or [])
         self.grammars = Grammars(target.path, target.vocab_size, sorted(self.eos_ids))

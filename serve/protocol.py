@@ -228,7 +228,8 @@ class TextPart(_Request):
     text: Text
 
 
-FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # as OpenAI's
+# OpenAI's letters, digits, '_' and '-' (up to 64), and '.' as in namespaced tool names.
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class FunctionDefinition(_Request):

@@ -21,7 +21,7 @@ from mlc_spec.runtime.params import StructuredOutput
 from mlc_spec.runtime.request import CompletionOutput, RequestOutput
 from mlc_spec.runtime.structured_output import Grammars
 from mlc_spec.runtime.tokenizer import Tokenizer
-from mlc_spec.runtime.tool_calls import HERMES, LLAMA3_JSON, ToolFormat, detect
+from mlc_spec.runtime.tool_calls import HERMES, LLAMA3_JSON, Parsed, ToolFormat, detect
 from mlc_spec.serve.responses import ResponseBuilder, ToolUse
 
 WEATHER = {
@@ -150,15 +150,11 @@ def test_a_stream_parses_as_the_whole_output(fmt: ToolFormat, piece: int):
     held while it could begin a call."""
     outputs = HERMES_OUTPUTS if fmt is HERMES else LLAMA3_OUTPUTS
     for output, content, calls in outputs:
-        parser, streamed, names = fmt.parser(), "", []
+        parser, streamed = fmt.parser(), Parsed()
         for at in range(0, len(output), piece):
-            parsed = parser.feed(output[at : at + piece])
-            streamed += parsed.content
-            names += [(c.name, json.loads(c.arguments)) for c in parsed.calls]
-        parsed = parser.finish()
-        streamed += parsed.content
-        names += [(c.name, json.loads(c.arguments)) for c in parsed.calls]
-        assert (streamed, names) == (output if content is None else content, calls)
+            streamed += parser.feed(output[at : at + piece])
+        streamed += parser.finish()
+        assert _spelled(streamed) == (output if content is None else content, calls)
 
 
 def test_hermes_content_streams_before_the_call_is_read():
