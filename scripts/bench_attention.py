@@ -31,7 +31,7 @@ from bench_kernel import (
     shape_names,
     short_commit,
 )
-from benchdoc import machine_context, start_load, write_section
+from benchdoc import machine_context, publish, start_load
 
 ATTENTION = "compiler/cpu_attention.py"
 PAGE = 16
@@ -142,9 +142,7 @@ def main() -> None:
             *table,
         ]
     )
-    print(section)
-    if args.write:
-        write_section(args.write, f"bench_attention-{against}-{args.cpu}", section)
+    publish(section, args.write, f"bench_attention-{against}-{args.cpu}")
 
 
 if __name__ == "__main__":

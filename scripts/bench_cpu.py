@@ -35,10 +35,10 @@ from benchdoc import (
     cpu_class,
     lscpu_fields,
     machine_context,
+    publish,
     start_load,
     usable_cores,
     verdict,
-    write_section,
 )
 from llamacpp import FLASH_ATTN, bench, describe_build
 from peak_rss import engine_peak_rss, gib, run_measured
@@ -592,10 +592,8 @@ def main() -> None:
     floor = compute_floor(matmul_parameters(gguf), args.threads, args.activations)
     weight_bytes = tuple(prepared["weight_bytes"])
     section = report(title, args.model, sides, floor, weight_bytes, context, args.repeats, load)
-    print(section)
-    if args.write:
-        key = f"bench_cpu-{args.model}-{args.quantization}-{args.activations}-{cpu_class()}"
-        write_section(args.write, key, section)
+    key = f"bench_cpu-{args.model}-{args.quantization}-{args.activations}-{cpu_class()}"
+    publish(section, args.write, key)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import tokenizers
 import transformers
-from benchdoc import machine_context, start_load, write_section
+from benchdoc import machine_context, publish, start_load
 from workloads import humaneval_prompts, sharegpt_turns
 
 from mlc_spec.compiler.pypi_models import fetch
@@ -165,9 +165,7 @@ def main() -> None:
             + " |"
         )
     section = "\n".join(lines)
-    print(section)
-    if args.write:
-        write_section(args.write, SECTION, section)
+    publish(section, args.write, SECTION)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchdoc import cpu_class, machine_context, start_load, verdict, write_section
+from benchdoc import cpu_class, machine_context, publish, start_load, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_SECONDS = 8 * 60
@@ -94,9 +94,7 @@ def main() -> None:
         f"{verdict(total <= GOAL_SECONDS, load)} ({total:.0f} s)",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(Path(args.write), f"bench_first_run-{cpu_class()}", text)
+    publish(text, args.write, f"bench_first_run-{cpu_class()}")
 
 
 if __name__ == "__main__":

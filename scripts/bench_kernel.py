@@ -33,7 +33,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
-from benchdoc import machine_context, start_load, usable_cores, write_section
+from benchdoc import machine_context, publish, start_load, usable_cores
 from gguf import GGMLQuantizationType as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,9 +299,7 @@ def main() -> None:
             *table,
         ]
     )
-    print(section)
-    if args.write:  # one section per baseline and CPU: each comparison keeps its table
-        write_section(args.write, key, section)
+    publish(section, args.write, key)
 
 
 def short_commit(rev: str) -> str:

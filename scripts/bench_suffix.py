@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from benchdoc import SCRATCH, cpu_class, machine_context, start_load, verdict, write_section
+from benchdoc import SCRATCH, cpu_class, machine_context, publish, start_load, verdict
 
 from mlc_spec.compiler.cache import compiled
 from mlc_spec.serve import bench
@@ -141,10 +141,8 @@ def main() -> None:
         argv += ["--output-dir", str(SCRATCH / f"suffix-{args.pair}-{dataset}")]
         results[dataset] = bench.bench(cli.parse_args(argv))
     text = section(results, load, args)
-    print(text)
-    if args.write:
-        pair = "" if args.pair == "smollm2" else f"-{args.pair}"
-        write_section(args.write, f"bench_suffix{pair}-{cpu_class()}", text)
+    pair = "" if args.pair == "smollm2" else f"-{args.pair}"
+    publish(text, args.write, f"bench_suffix{pair}-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""docs/benchmarks.md laid out from the sections that the benchmark scripts write.
+"""docs/benchmarks.md and docs/benchmarks-features.md laid out from the sections that the
+benchmark scripts write.
 
-A run's context (date, commit, CPU class, load before and during it) and a page of marked
-sections in a fixed order that the scripts rewrite and nobody edits by hand.
+A run's context (date, commit, CPU class, load before and during it) and two pages of marked
+sections in a fixed order that the scripts rewrite and nobody edits by hand: the headline page
+(mlc-spec against llama.cpp and llama-server) and the features page (prefix cache, prompt
+chunks, suffix decoding, structured output, replicas, the first run, the soak...), so that
+the headline page stays short enough to read.
 
 Each benchmark script owns sections between ``<!-- key:start STAMP -->`` / ``<!-- key:end -->``
-markers (STAMP: when it was written, UTC) and rewrites only its own. Every write re-renders the
-whole page: the fixed header, the headline groups first (their sections newest first), a
-pointer to what was tried and left out (docs/kernels.md keeps that list), then the other
-still-current measurements. Each group keeps at most a few sections (the oldest leaves, git
-keeps it), and a key that belongs to no group of the page (a kernel A/B, say) goes to a
-scratch file instead, so no script can grow the page without bound.
+markers (STAMP: when it was written, UTC) and rewrites only its own. A script writes to either
+page (``--write docs/benchmarks.md``) and its section goes to the page whose groups claim its
+key. Every write re-renders that whole page: its fixed header, its groups in order (their
+sections newest first), then its closing note. Each group keeps at most a few sections (the
+oldest leaves, git keeps it), and a key that belongs to no group of either page (a kernel A/B,
+say) goes to a scratch file instead, so no script can grow a page without bound.
 
     python scripts/benchdoc.py [PAGE] [--drop KEY ...]   # re-render PAGE, dropping KEYs
 """
@@ -29,21 +33,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PAGE = REPO / "docs" / "benchmarks.md"
-SCRATCH = Path("/tmp/mlc-spec-bench")  # where sections that the page does not keep go
+SCRATCH = Path("/tmp/mlc-spec-bench")  # where sections that no page keeps go
 # Share of the usable cores that other processes kept busy just before a run, above which its
 # figures are flagged.
 BUSY_SHARE = 0.25
-PAGE_LINES = 250  # the page's budget: a write past it warns, naming the largest sections
+PAGE_LINES = 250  # each page's budget: a write past it warns, naming the largest sections
 
-DOC_HEADER = """# Benchmarks
-
-Measured performance of mlc-spec against llama.cpp on the CPU, written by the scripts in
-`scripts/` (`benchdoc.py` lays out the page; nothing here is edited by hand). The headline
-tables come first, one per model and configuration and per CPU class (`amd-avx512`: AMD Zen 4;
-`amd-avx2`: AVX2-only EPYC; `intel-avx512`: Xeon), newest first; each names the command that
-reproduces it. How they are measured:
-
+_HOW_MEASURED = """\
 - **Alternation.** Every system (and every configuration) takes one turn per round, each in a
   child process of its own that loads the model, warms up and exits, so no TVM or llama.cpp
   thread pool is alive, spinning, while the other runs; the order reverses every other round.
@@ -52,8 +48,8 @@ reproduces it. How they are measured:
   generate exactly the same number of tokens per prompt from the same prompt token ids (EOS
   ignored; llama.cpp's own tokenization is checked against ours), and tokens/s divides the
   generated tokens by the time of prefill plus generation, sampling included, model loading
-  excluded, on both sides. Step costs: `llama-bench` at the same prompt length, context and
-  batch sizes, with flash attention on and off (`-fa on|off`).
+  excluded. Step costs: `llama-bench` at the same prompt length, context and batch sizes, with
+  flash attention on and off (`-fa on|off`).
 - **llama.cpp at its best.** Plain decoding and `llama-speculative-simple` with the draft
   model (`--spec-type draft-simple`, a sweep of `--spec-draft-n-max`) and with its n-gram
   proposers (`ngram-simple`, `ngram-mod`), each with `-fa on` and `-fa off`; the best by median
@@ -63,15 +59,12 @@ reproduces it. How they are measured:
   0.5x llama.cpp's ms/token; verify of 8 tokens <= 1.5x a decode step on both models. No
   verdict is given for a run during which other processes kept the cores busy: llama.cpp's
   threads wait for each other at every barrier and slow several-fold when a core is taken.
-
-Earlier runs (float32, the kernel A/B tables, the hand-pasted `-xeon` tables, all before the
-page-pool KV cache of `c3bae87`) are in git: `git show 231510b:docs/benchmarks.md`.
 """
 
 
 @dataclass(frozen=True)
 class Group:
-    """Sections of the page whose keys match ``pattern``: at most ``keep`` of them, newest first,
+    """Sections of a page whose keys match ``pattern``: at most ``keep`` of them, newest first,
     under ``heading`` (a ``##`` line), or ``empty`` where there are none yet."""
 
     heading: str | None
@@ -80,103 +73,135 @@ class Group:
     empty: str = ""
 
 
+@dataclass(frozen=True)
+class Page:
+    """A page of sections: its header, its groups in order, and a closing note."""
+
+    path: Path
+    header: str
+    groups: tuple[Group, ...]
+    note: str = ""
+
+
 # How keys written by ``cpu_class`` end: one section per CPU class, and no key of the page's
 # earlier layout (keyed by hand, ``-xeon``) falls into a group.
 _CPU = r"-(?:intel|amd|cpu)-(?:avx512|avx2|x86)"
 
-HEADLINE = (
-    Group(
-        "SmolLM2-135M-Instruct: step costs against llama.cpp",
-        rf"bench_cpu-smollm2-.+{_CPU}",
-        3,
-        "`python scripts/bench_cpu.py --model smollm2 --activations int8 --repeats 15 "
-        "--write docs/benchmarks.md`",
+HEADLINE = Page(
+    REPO / "docs" / "benchmarks.md",
+    f"""# Benchmarks
+
+mlc-spec against llama.cpp and llama-server on the CPU, written by the scripts in `scripts/`
+(`benchdoc.py` lays out the page; nothing here is edited by hand): one table per model,
+configuration and CPU class (`amd-avx512`: AMD Zen 4; `amd-avx2`: AVX2-only EPYC;
+`intel-avx512`: Xeon), newest first, each with the command that reproduces it. The serving
+features (prefix cache, prompt chunks, suffix decoding, structured output, replicas, the first
+run) are measured in [benchmarks-features.md](benchmarks-features.md). How these are measured:
+
+{_HOW_MEASURED}
+Earlier runs are in git (`git log -p docs/benchmarks.md`).""",
+    (
+        Group(
+            "Qwen2.5-Coder-1.5B with the 0.5B draft: speculative decoding end to end on HumanEval",
+            rf"bench_speculative-qwen-.+{_CPU}",
+            2,
+            "`python scripts/bench_speculative.py --activations int8 --draft-quantization q4 "
+            "--draft-lm-head q4 --draft-lm-head-vocab 100000 --rounds 3 --write "
+            "docs/benchmarks.md`",
+        ),
+        Group(
+            "SmolLM2-135M-Instruct: step costs against llama.cpp",
+            rf"bench_cpu-smollm2-.+{_CPU}",
+            2,
+            "`python scripts/bench_cpu.py --model smollm2 --repeats 15 --write docs/benchmarks.md`",
+        ),
+        Group(
+            "Qwen2.5-Coder-1.5B-Instruct: step costs against llama.cpp",
+            rf"bench_cpu-qwen1\.5b-.+{_CPU}",
+            2,
+            "`python scripts/bench_cpu.py --model qwen1.5b --activations int8 --repeats 5 "
+            "--write docs/benchmarks.md`",
+        ),
+        Group(
+            "Serving side by side with llama-server (`mlc-spec bench serve`)",
+            rf"bench_serving-.+{_CPU}",
+            2,
+            "`python scripts/bench_serving.py --pair smollm2 --write docs/benchmarks.md` "
+            "(and `--pair qwen`)",
+        ),
     ),
-    Group(
-        "Qwen2.5-Coder-1.5B-Instruct: step costs against llama.cpp",
-        rf"bench_cpu-qwen1\.5b-.+{_CPU}",
-        3,
-        "`python scripts/bench_cpu.py --model qwen1.5b --activations int8 --repeats 5 "
-        "--write docs/benchmarks.md`",
-    ),
-    Group(
-        "Serving side by side with llama-server (`mlc-spec bench serve`)",
-        rf"bench_serving-.+{_CPU}",
-        2,
-        "`python scripts/bench_serving.py --pair smollm2 --write docs/benchmarks.md` "
-        "(and `--pair qwen`)",
-    ),
-    Group(
-        "Prefix caching in the server: ShareGPT conversations turn by turn",
-        rf"bench_prefix_cache{_CPU}",
-        1,
-        "`python scripts/bench_prefix_cache.py --write docs/benchmarks.md`",
-    ),
-    Group(
-        "A long prompt while streams decode: prefill chunks within a token budget",
-        rf"bench_long_prompt{_CPU}",
-        1,
-        "`python scripts/bench_long_prompt.py --write docs/benchmarks.md`",
-    ),
-    Group(
-        "The README's first run: install, fetch, compile, answer",
-        rf"bench_first_run{_CPU}",
-        1,
-        "`python scripts/bench_first_run.py --write docs/benchmarks.md`",
-    ),
-    Group(
-        "Suffix decoding in the server: edits sent twice, HumanEval, ShareGPT",
-        rf"bench_suffix(?:-qwen)?{_CPU}",
-        2,
-        "`python scripts/bench_suffix.py --write docs/benchmarks.md` (and `--pair qwen "
-        "--datasets editing humaneval --concurrency 1 4`)",
-    ),
-    Group(
-        "Structured output with speculation: JSON extraction with and without the schema",
-        rf"bench_structured-.+{_CPU}",
-        2,
-        "`python scripts/bench_structured.py --write docs/benchmarks.md` (and `--pair qwen`)",
-    ),
-    Group(
-        "Replicas behind sglang-router against one server",
-        rf"bench_router{_CPU}",
-        1,
-        "`python scripts/bench_router.py --write docs/benchmarks.md`",
-    ),
-    Group(
-        "Qwen2.5-Coder-1.5B with the 0.5B draft: speculative decoding end to end on HumanEval",
-        rf"bench_speculative-qwen-.+{_CPU}",
-        3,
-        "`python scripts/bench_speculative.py --activations int8 --draft-quantization q4 "
-        "--draft-lm-head q4 --draft-lm-head-vocab 100000 --rounds 3 --write docs/benchmarks.md`",
-    ),
+    "Kernels, prefetching, AMX and the rest that was tried and left out, one line each with its "
+    "measured effect: docs/kernels.md, at the end.",
 )
-OTHER = (
-    Group(
-        "Other measurements",
-        rf"bench_speculative-smollm2-self-.+{_CPU}",
-        1,
-        "Each section carries its date and commit: compare them with the headline tables' before "
-        "relying on one.",
+FEATURES = Page(
+    REPO / "docs" / "benchmarks-features.md",
+    """# Benchmarks of the serving features
+
+What each serving feature buys, measured with `mlc-spec serve` and written by the scripts in
+`scripts/` (`benchdoc.py` lays out the page; nothing here is edited by hand); mlc-spec against
+llama.cpp is in [benchmarks.md](benchmarks.md). Each section carries its date, commit, machine
+and command: compare only figures from one section.""",
+    (
+        Group(
+            "Suffix decoding in the server: edits sent twice, HumanEval, ShareGPT",
+            rf"bench_suffix(?:-qwen)?{_CPU}",
+            2,
+            "`python scripts/bench_suffix.py --write docs/benchmarks.md` (and `--pair qwen "
+            "--datasets editing humaneval --concurrency 1 4`)",
+        ),
+        Group(
+            "Structured output with speculation: JSON extraction with and without the schema",
+            rf"bench_structured-.+{_CPU}",
+            2,
+            "`python scripts/bench_structured.py --write docs/benchmarks.md` (and `--pair qwen`)",
+        ),
+        Group(
+            "Prefix caching in the server: ShareGPT conversations turn by turn",
+            rf"bench_prefix_cache{_CPU}",
+            1,
+            "`python scripts/bench_prefix_cache.py --write docs/benchmarks.md`",
+        ),
+        Group(
+            "A long prompt while streams decode: prefill chunks within a token budget",
+            rf"bench_long_prompt{_CPU}",
+            1,
+            "`python scripts/bench_long_prompt.py --write docs/benchmarks.md`",
+        ),
+        Group(
+            "The README's first run: install, fetch, compile, answer",
+            rf"bench_first_run{_CPU}",
+            1,
+            "`python scripts/bench_first_run.py --write docs/benchmarks.md`",
+        ),
+        Group(
+            "Replicas behind sglang-router against one server",
+            rf"bench_router{_CPU}",
+            1,
+            "`python scripts/bench_router.py --write docs/benchmarks.md`",
+        ),
+        Group(
+            "`mlc-spec serve` soaked: mixed load at concurrency 64, then SIGTERM",
+            r"soak_serve-.+",
+            1,
+        ),
+        Group(
+            "Other measurements",
+            rf"bench_speculative-smollm2-self-.+{_CPU}",
+            1,
+        ),
+        Group(None, r"bench_adaptive.*", 1),
+        Group(None, r"bench_async-.+", 1),
+        Group(None, r"bench_detokenize", 1),
     ),
-    Group(
-        "`mlc-spec serve` soaked: mixed load at concurrency 64, then SIGTERM", r"soak_serve-.+", 1
-    ),
-    Group(None, r"bench_adaptive.*", 1),
-    Group(None, r"bench_async-.+", 1),
-    Group(None, r"bench_detokenize", 1),
-)
-OTHER_NOTE = (
     "Measured elsewhere: serving under load (`mlc-spec bench serve` writes `results.md` and its "
     "plots into `--output-dir`; the README's plot is `docs/serve_bench.png`, drawn from "
     "`docs/serve_bench.json` of 2026-11-22 on a heavily shared machine) and the n-gram index "
     "(`python scripts/bench_ngram.py` prints its table: the native index 0.7-0.8 µs a step at "
-    "1k-16k tokens of context, 25-40x the numpy scan, 2026-11-21). Async scheduling "
-    "(`scripts/bench_async.py --write`, 2026-11-22): 0.98-1.07x of synchronous steps on 2 cores, "
-    "where the forward keeps both cores busy and the host's share of a step was 0-2%. The "
-    "fidelity of int8 activations against llama.cpp's own: docs/quantization.md "
-    "(`scripts/bench_fidelity.py`)."
+    "1k-16k tokens of context, 25-40x the numpy scan, 2026-11-21). The fidelity of int8 "
+    "activations against llama.cpp's own: docs/quantization.md (`scripts/bench_fidelity.py`).",
 )
+PAGES = (HEADLINE, FEATURES)
+PAGE = HEADLINE.path
 
 
 def usable_cores() -> int:
@@ -342,79 +367,89 @@ def parse_sections(text: str) -> list[Section]:
     return found
 
 
-def _group_of(key: str, groups: tuple[Group, ...]) -> Group | None:
-    return next((g for g in groups if re.fullmatch(g.pattern, key)), None)
+def page_of(key: str) -> Page | None:
+    """The page whose groups claim ``key``, if any."""
+    return next((p for p in PAGES if _group_of(key, p) is not None), None)
 
 
-def render(sections: list[Section], main_page: bool) -> str:
-    """The whole page: header, headline groups, the tried list, the other groups; each group's
-    sections newest first and at most its ``keep``. A scratch file also keeps sections of no
-    group, after the rest."""
-    by_group: dict[Group | None, list[Section]] = {}
-    for s in sections:
-        by_group.setdefault(_group_of(s.key, HEADLINE + OTHER), []).append(s)
-    parts = [DOC_HEADER.rstrip()]
+def _group_of(key: str, page: Page) -> Group | None:
+    return next((g for g in page.groups if re.fullmatch(g.pattern, key)), None)
 
-    def emit(group: Group | None, fallback: str = "") -> None:
-        kept = sorted(by_group.get(group, []), key=lambda s: s.stamp, reverse=True)
-        kept = kept if group is None else kept[: group.keep]
-        if group is not None and group.heading:
+
+def render(sections: list[Section], page: Page | None) -> str:
+    """A whole page: header, its groups (each group's sections newest first, at most its
+    ``keep``), its note. A scratch file (``page`` None) is every section, newest first."""
+    if page is None:
+        kept = sorted(sections, key=lambda s: s.stamp, reverse=True)
+        return "\n\n".join(map(_marked, kept)) + "\n"
+    parts = [page.header.rstrip()]
+    for group in page.groups:
+        kept = [s for s in sections if _group_of(s.key, page) is group]
+        kept = sorted(kept, key=lambda s: s.stamp, reverse=True)[: group.keep]
+        if group.heading:
             parts.append(f"## {group.heading}")
-        if fallback and (not kept or group in OTHER):
-            parts.append(fallback)
-        for s in kept:
-            parts.append(
-                f"<!-- {s.key}:start {s.stamp.strftime(_STAMP)} -->\n{s.text}\n<!-- {s.key}:end -->"
-            )
-
-    for group in HEADLINE:
-        emit(group, f"No run written yet. Reproduce: {group.empty}")
-    parts.append(
-        "## What was tried and left out\n\nKernels, prefetching, AMX and the rest, one line each "
-        "with its measured effect: docs/kernels.md, at the end."
-    )
-    for group in OTHER:
-        emit(group, group.empty)
-    parts.append(OTHER_NOTE)
-    if not main_page:
-        emit(None)
+        if not kept and group.empty:
+            parts.append(f"No run written yet. Reproduce: {group.empty}")
+        parts += map(_marked, kept)
+    if page.note:
+        parts.append(page.note)
     return "\n\n".join(parts) + "\n"
 
 
-def is_main_page(path: Path) -> bool:
-    return path.resolve() == PAGE.resolve()
+def _marked(s: Section) -> str:
+    return f"<!-- {s.key}:start {s.stamp.strftime(_STAMP)} -->\n{s.text}\n<!-- {s.key}:end -->"
+
+
+def page_at(path: Path) -> Page | None:
+    return next((p for p in PAGES if path.resolve() == p.path.resolve()), None)
 
 
 def is_benchmark_page(path: Path) -> bool:
-    """The page, or a file laid out like it (a scratch copy, a new file): other documents
-    (docs/quantization.md) keep their own text around the sections written into them."""
-    return is_main_page(path) or not path.exists() or path.read_text().startswith(DOC_HEADER[:13])
+    """One of the pages, or a file laid out like one (a scratch copy, a new file): other
+    documents (docs/quantization.md) keep their own text around the sections written into
+    them."""
+    return (
+        page_at(path) is not None
+        or not path.exists()
+        or path.read_text().startswith("# Benchmarks")
+    )
 
 
 def write_section(path: Path, name: str, section: str) -> None:
-    """Replace section ``name`` of the page at ``path`` (or add it) and re-render the page.
+    """Replace section ``name`` (or add it) and re-render its page.
 
-    The main page keeps only keys of its groups: any other section is written to a scratch file
-    under ``SCRATCH`` instead (and said so on stderr), so that nothing is lost and the page
-    stays bounded. In any other document the section is replaced where it stands, or appended,
-    and the rest of the file is left as it was."""
+    Written to either page, a section goes to the page whose groups claim its key; one that no
+    page claims is written to a scratch file under ``SCRATCH`` instead (and said so on stderr),
+    so that nothing is lost and the pages stay bounded. In any other document the section is
+    replaced where it stands, or appended, and the rest of the file is left as it was."""
     if not is_benchmark_page(path):
         path.write_text(replace_in_place(path.read_text(), name, section))
         return
-    main_page = is_main_page(path)
-    if main_page and _group_of(name, HEADLINE + OTHER) is None:
-        scratch = SCRATCH / f"{name}.md"
-        print(
-            f"benchdoc: {name} is no section of {path} (a kernel experiment's outcome goes to "
-            f"the 'tried and left out' list of docs/kernels.md); written to {scratch}",
-            file=sys.stderr,
-        )
-        path = scratch
-        main_page = False
+    page = page_at(path)
+    if page is not None:
+        page = page_of(name)
+        if page is None:
+            path = SCRATCH / f"{name}.md"
+            print(
+                f"benchdoc: {name} is no section of the benchmark pages (a kernel experiment's "
+                f"outcome goes to the 'tried and left out' list of docs/kernels.md); written to "
+                f"{path}",
+                file=sys.stderr,
+            )
+        elif page.path.resolve() != path.resolve():
+            print(f"benchdoc: {name} belongs to {page.path}; written there", file=sys.stderr)
+            path = page.path
     sections = parse_sections(path.read_text()) if path.exists() else []
     sections = [s for s in sections if s.key != name]
     sections.append(Section(name, datetime.now(timezone.utc).replace(microsecond=0), section))
-    rewrite(path, sections, main_page)
+    rewrite(path, sections, page)
+
+
+def publish(text: str, page: Path | str | None, key: str) -> None:
+    """Print a run's section, and write it as ``key`` where a page was asked for (``--write``)."""
+    print(text)
+    if page:
+        write_section(Path(page), key, text)
 
 
 def replace_in_place(text: str, name: str, section: str) -> str:
@@ -428,11 +463,11 @@ def replace_in_place(text: str, name: str, section: str) -> str:
     return text[: found.start()] + block + text[found.end() :]
 
 
-def rewrite(path: Path, sections: list[Section], main_page: bool) -> None:
+def rewrite(path: Path, sections: list[Section], page: Page | None) -> None:
     """Render ``sections`` into the page at ``path``; a section that leaves it takes its plot
     along (``KEY.png`` beside the page, as the scripts name them), and a page past its line
     budget says so on stderr."""
-    text = render(sections, main_page)
+    text = render(sections, page)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     kept = {s.key for s in parse_sections(text)}
@@ -442,7 +477,7 @@ def rewrite(path: Path, sections: list[Section], main_page: bool) -> None:
             plot.unlink()
             print(f"benchdoc: {s.key} left {path}, and its plot {plot} with it", file=sys.stderr)
     lines = text.count("\n")
-    if main_page and lines > PAGE_LINES:
+    if page is not None and lines > PAGE_LINES:
         sizes = sorted((s.text.count("\n") + 1, s.key) for s in sections if s.key in kept)
         print(
             f"benchdoc: {path} has {lines} lines (budget {PAGE_LINES}); largest sections: "
@@ -453,15 +488,16 @@ def rewrite(path: Path, sections: list[Section], main_page: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("page", type=Path, nargs="?", default=PAGE, help="default: the page")
+    parser.add_argument(
+        "page", type=Path, nargs="?", default=PAGE, help="default: the headline page"
+    )
     parser.add_argument("--drop", nargs="*", default=[], metavar="KEY", help="sections to drop")
     args = parser.parse_args()
     sections = parse_sections(args.page.read_text()) if args.page.exists() else []
     unknown = set(args.drop) - {s.key for s in sections}
     if unknown:
         parser.error(f"no such sections: {', '.join(sorted(unknown))}")
-    main_page = is_main_page(args.page)
-    rewrite(args.page, [s for s in sections if s.key not in args.drop], main_page)
+    rewrite(args.page, [s for s in sections if s.key not in args.drop], page_at(args.page))
     kept = parse_sections(args.page.read_text())
     print(f"{args.page}: {len(kept)} sections, {args.page.read_text().count(chr(10))} lines")
 
