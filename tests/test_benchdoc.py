@@ -51,12 +51,12 @@ def test_a_section_goes_to_the_page_that_claims_it(pages):
 def test_a_group_keeps_its_newest_sections_and_rewrites_its_own(pages):
     headline, _ = pages
     for cpu in ("amd-avx2", "amd-avx512", "intel-avx512"):
-        benchdoc.write_section(headline.path, f"bench_cpu-qwen1.5b-as-source-int8-{cpu}", cpu)
-    benchdoc.write_section(headline.path, "bench_cpu-qwen1.5b-as-source-int8-amd-avx512", "new")
+        benchdoc.write_section(headline.path, f"bench_cpu-smollm2-as-source-int8-{cpu}", cpu)
+    benchdoc.write_section(headline.path, "bench_cpu-smollm2-as-source-int8-amd-avx512", "new")
     sections = benchdoc.parse_sections(headline.path.read_text())
     assert [(s.key, s.text) for s in sections] == [
-        ("bench_cpu-qwen1.5b-as-source-int8-amd-avx512", "new"),
-        ("bench_cpu-qwen1.5b-as-source-int8-intel-avx512", "intel-avx512"),
+        ("bench_cpu-smollm2-as-source-int8-amd-avx512", "new"),
+        ("bench_cpu-smollm2-as-source-int8-intel-avx512", "intel-avx512"),
     ]
 
 
