@@ -15,7 +15,7 @@ config must produce the no-speculation tokens; the script checks it.
     python scripts/bench_adaptive.py [--model smollm2|qwen-pair] [--concurrency 1 2 4 8 16]
         [--fixed-k 1 2 3 4 5 6] [--max-tokens 32] [--requests-per-client 2] [--draft-layers N]
         [--methods ngram draft] [--activations float|int8] [--repeats N] [--tag SLUG]
-        [--write docs/benchmarks.md]
+        [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from mlc_spec.runtime.artifact import ACTIVATIONS  # noqa: E402
 from mlc_spec.runtime.engine import Engine  # noqa: E402
 from mlc_spec.runtime.params import EngineConfig, SamplingParams  # noqa: E402
 
-# Per --model: the section of docs/benchmarks.md, the plot, and the title's model.
+# Per --model: the section of docs/benchmarks-features.md, the plot, and the title's model.
 SECTIONS = {"smollm2": "bench_adaptive", "qwen-pair": "bench_adaptive-qwen-pair"}
 TITLES = {
     "smollm2": "SmolLM2-135M-Instruct",
@@ -83,7 +83,7 @@ def configs(methods: list[str], fixed_ks: list[int]) -> list[Config]:
 
 
 def section(args: argparse.Namespace) -> str:
-    """This run's section of docs/benchmarks.md (and its plot's name)."""
+    """This run's section of docs/benchmarks-features.md (and its plot's name)."""
     name = section_name(SECTIONS[args.model], args.activations)
     return f"{name}-{args.tag}" if args.tag else name
 

@@ -11,7 +11,7 @@ produce the same tokens and the same drafted/accepted counts.
 
     python scripts/bench_async.py [--setting smollm2:ngram:auto qwen-pair:draft:3]
         [--concurrency 1 4 16] [--max-tokens 64] [--requests-per-client 1] [--repeats 1]
-        [--write docs/benchmarks.md]
+        [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations

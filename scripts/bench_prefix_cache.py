@@ -1,10 +1,10 @@
 """Automatic prefix caching in the server: ShareGPT conversations replayed turn by turn (each
 turn sent with the history and the answers the server gave), ``mlc-spec serve`` with its prefix
 cache against the same server without it, loaded in turn at each concurrency. Written to
-docs/benchmarks.md with the goal's verdict: time to first token of turns >= 2, p50 at least 3x
-lower with the cache.
+docs/benchmarks-features.md with the goal's verdict: time to first token of turns >= 2, p50 at
+least 3x lower with the cache.
 
-    python scripts/bench_prefix_cache.py [--write docs/benchmarks.md]
+    python scripts/bench_prefix_cache.py [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 one thread, and ``mlc-spec serve --replicas 2`` with one thread per replica, loaded in turn at
 each concurrency. At concurrency 1 both compute each request on one thread, so the difference
 in latency is the router's hop; above it the second replica uses the second core. Written to
-docs/benchmarks.md.
+docs/benchmarks-features.md.
 
-    python scripts/bench_router.py [--write docs/benchmarks.md]
+    python scripts/bench_router.py [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--write", type=Path, help="docs/benchmarks.md")
+    parser.add_argument("--write", type=Path, help="docs/benchmarks-features.md")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import tvm

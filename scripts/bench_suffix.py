@@ -3,11 +3,11 @@ solutions given back to add type hints and a docstring, each request sent twice,
 send context again), HumanEval and ShareGPT, with no speculation, automatic prompt lookup and
 automatic suffix decoding (and, for the Qwen pair, the automatic 0.5B draft and method auto,
 which chooses between it and suffix decoding per request and step), every server loaded in
-turn at each concurrency. Written to docs/benchmarks.md with the goals' verdicts:
+turn at each concurrency. Written to docs/benchmarks-features.md with the goals' verdicts:
 suffix >= 1.5x no speculation and >= 1.2x prompt lookup on the editing workload; automatic
 speculation >= 1.0x no speculation in every cell.
 
-    python scripts/bench_suffix.py [--pair smollm2|qwen] [--write docs/benchmarks.md]
+    python scripts/bench_suffix.py [--pair smollm2|qwen] [--write docs/benchmarks-features.md]
 """
 
 from __future__ import annotations

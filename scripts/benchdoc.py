@@ -139,38 +139,39 @@ and command: compare only figures from one section.""",
             "Suffix decoding in the server: edits sent twice, HumanEval, ShareGPT",
             rf"bench_suffix(?:-qwen)?{_CPU}",
             2,
-            "`python scripts/bench_suffix.py --write docs/benchmarks.md` (and `--pair qwen "
-            "--datasets editing humaneval --concurrency 1 4`)",
+            "`python scripts/bench_suffix.py --write docs/benchmarks-features.md` (and "
+            "`--pair qwen --datasets editing humaneval --concurrency 1 4`)",
         ),
         Group(
             "Structured output with speculation: JSON extraction with and without the schema",
             rf"bench_structured-.+{_CPU}",
             2,
-            "`python scripts/bench_structured.py --write docs/benchmarks.md` (and `--pair qwen`)",
+            "`python scripts/bench_structured.py --write docs/benchmarks-features.md` "
+            "(and `--pair qwen`)",
         ),
         Group(
             "Prefix caching in the server: ShareGPT conversations turn by turn",
             rf"bench_prefix_cache{_CPU}",
             1,
-            "`python scripts/bench_prefix_cache.py --write docs/benchmarks.md`",
+            "`python scripts/bench_prefix_cache.py --write docs/benchmarks-features.md`",
         ),
         Group(
             "A long prompt while streams decode: prefill chunks within a token budget",
             rf"bench_long_prompt{_CPU}",
             1,
-            "`python scripts/bench_long_prompt.py --write docs/benchmarks.md`",
+            "`python scripts/bench_long_prompt.py --write docs/benchmarks-features.md`",
         ),
         Group(
             "The README's first run: install, fetch, compile, answer",
             rf"bench_first_run{_CPU}",
             1,
-            "`python scripts/bench_first_run.py --write docs/benchmarks.md`",
+            "`python scripts/bench_first_run.py --write docs/benchmarks-features.md`",
         ),
         Group(
             "Replicas behind sglang-router against one server",
             rf"bench_router{_CPU}",
             1,
-            "`python scripts/bench_router.py --write docs/benchmarks.md`",
+            "`python scripts/bench_router.py --write docs/benchmarks-features.md`",
         ),
         Group(
             "`mlc-spec serve` soaked: mixed load at concurrency 64, then SIGTERM",
@@ -194,7 +195,6 @@ and command: compare only figures from one section.""",
     "activations against llama.cpp's own: docs/quantization.md (`scripts/bench_fidelity.py`).",
 )
 PAGES = (HEADLINE, FEATURES)
-PAGE = HEADLINE.path
 
 
 def usable_cores() -> int:
@@ -482,7 +482,7 @@ def rewrite(path: Path, sections: list[Section], page: Page | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "page", type=Path, nargs="?", default=PAGE, help="default: the headline page"
+        "page", type=Path, nargs="?", default=HEADLINE.path, help="default: the headline page"
     )
     parser.add_argument("--drop", nargs="*", default=[], metavar="KEY", help="sections to drop")
     args = parser.parse_args()

@@ -13,7 +13,7 @@ wave the server must be idle: no request running or waiting, no KV page held. Ju
 - SIGTERM during a last wave of long streams: each ends whole or with an error event, and the
   process exits 0 within the shutdown timeout.
 
-    python scripts/soak_serve.py [--minutes 10] [--write docs/benchmarks.md]
+    python scripts/soak_serve.py [--minutes 10] [--write docs/benchmarks-features.md]
 
 Writes its section into the page, the RSS curve into docs/soak_rss.png; exits 1 on a failure.
 """
