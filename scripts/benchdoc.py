@@ -191,8 +191,11 @@ and command: compare only figures from one section.""",
     "plots into `--output-dir`; the README's plot is `docs/serve_bench.png`, drawn from "
     "`docs/serve_bench.json` of 2026-11-22 on a heavily shared machine) and the n-gram index "
     "(`python scripts/bench_ngram.py` prints its table: the native index 0.7-0.8 µs a step at "
-    "1k-16k tokens of context, 25-40x the numpy scan, 2026-11-21). The fidelity of int8 "
-    "activations against llama.cpp's own: docs/quantization.md (`scripts/bench_fidelity.py`).",
+    "1k-16k tokens of context, 25-40x the numpy scan, 2026-11-21). Async scheduling "
+    "(`scripts/bench_async.py --write`, 2026-11-22): 0.98-1.07x of synchronous steps on 2 cores, "
+    "where the forward keeps both cores busy and the host's share of a step was 0-2%. The "
+    "fidelity of int8 activations against llama.cpp's own: docs/quantization.md "
+    "(`scripts/bench_fidelity.py`).",
 )
 PAGES = (HEADLINE, FEATURES)
 
