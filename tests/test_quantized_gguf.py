@@ -15,6 +15,7 @@ from tiny_models import fake_quantize_activations, tiny_config
 from mlc_spec.compiler import compile as compile_module
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
+from mlc_spec.compiler.int8_matmul import activation_group
 from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.compiler.quantization import (
     GroupFormat,
@@ -139,8 +140,8 @@ def test_gguf_int8_formats_equal_portable(tiny_gguf_int8, tmp_path, monkeypatch)
 def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     """A tied Q6_K table with int8 activations (Qwen2.5's as shipped), decoded by the lookup
     and by the LM head alike, computes what transformers computes on the file's dequantized
-    weights with each linear layer's input rounded to int8 in its format's groups (16 for
-    Q6_K's sub-blocks, 32 for the others); the first layer only, to keep the suite short."""
+    weights with each linear layer's input rounded to int8 in its format's activation groups
+    (16 values); the first layer only, to keep the suite short."""
     override = {"model.embed_tokens.weight": T.Q6_K}
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "qwen2", override)
     artifact = compile_model(
@@ -156,13 +157,14 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     assert formats["model.layers.0.self_attn.qkv_proj.weight.1"] == "q6g16s256"  # Q6_K v
 
     types = {f"model.layers.0.{kind}": t for kind, t in LAYER_TYPES[0].items()}
-    groups = {name: format_of(t).group_size for name, t in {**types, "lm_head": T.Q6_K}.items()}
+    layers = {**types, "lm_head": T.Q6_K}
+    groups = {name: activation_group(format_of(t)) for name, t in layers.items()}
     hf = fake_quantize_activations(_reference(path, "qwen2", num_layers=1), groups)
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     ref = _logits(hf, seq)[35:]
     ours = _our_logits(artifact, seq)
     # 6e-4 measured: an activation on a rounding boundary can round the other way after
-    # float32 sums in another order; with group 32 for Q6_K layers the miss is 3.4e-2.
+    # float32 sums in another order; with groups of 32 for the activations the miss is 3.6e-2.
     assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
