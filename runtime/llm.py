@@ -29,7 +29,7 @@ class LLM:
         max_total_len: int = 8192,
         prefill_chunk_size: int = 512,
         max_num_batched_tokens: int = 64,
-        chunk_time_ratio: float | None = 0.5,
+        chunk_time_ratio: float | None = EngineConfig.chunk_time_ratio,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
         chat_template: str | Path | None = None,

@@ -50,9 +50,13 @@ FORK_PAGE_SLACK = 1
 FIRST_STEP_PAGES = 1
 # What a sequence may need beyond ``pages(its tokens)`` from admission to its end.
 SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
-# The smallest chunk a time budget leaves a prompt beside decoding rows: deep into a very long
-# prompt a token can cost a fifth of a step, and the prompt must still finish.
-MIN_TIMED_CHUNK = 8
+# The smallest chunk a time budget leaves a prompt beside decoding rows, and the chunk before
+# any was measured: deep into a very long prompt a token can cost a fifth of a step, and the
+# prompt must still finish. At 8 this floor, not the time ratio, sized most chunks beside 8
+# SmolLM2 int8 streams on 2 cores (8 tokens cost ~0.75 of their step) and their median gap ran
+# 1.85x their gap alone; an unmeasured first chunk of the whole token budget (56) made a 3.5x
+# gap (docs/benchmarks-features.md, long prompts).
+MIN_TIMED_CHUNK = 2
 
 
 def pages(num_tokens: int, page_size: int) -> int:
@@ -304,7 +308,7 @@ class Scheduler:
         are chosen later; the budget bounds the prefill, not the verify pass), at least a page
         so prompts always advance; and no more than ``chunk_time_ratio`` times the decoding
         rows' plain step (at their contexts) per waiting prompt is predicted to hold, at the
-        first waiting prompt's context."""
+        first waiting prompt's context (``MIN_TIMED_CHUNK`` before any chunk was measured)."""
         decoding = self._decoding()
         if not decoding:
             return self.config.prefill_chunk_size
@@ -321,7 +325,7 @@ class Scheduler:
         # throughput of a token budget alone, and TTFT 2.8x); one prompt waiting is as before.
         allowance = len(prefilling) * ratio * plain
         most = self.prefill_costs.most_tokens(prefilling[0].kv_len, allowance)
-        return budget if most is None else min(budget, max(MIN_TIMED_CHUNK, most))
+        return min(budget, MIN_TIMED_CHUNK if most is None else max(MIN_TIMED_CHUNK, most))
 
     def _plan_prefill(self, budget: int) -> PrefillWork | None:
         """The next prefill pass: up to ``budget`` pending prompt (or history) tokens, first

@@ -188,8 +188,8 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
 def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     """With a time ratio the chunk beside decoding rows is what the measured costs say fits in
     that multiple of their plain step for each prompt waiting, at the first waiting prompt's
-    context (never fewer than MIN_TIMED_CHUNK tokens); outputs are those of whole-prompt
-    passes."""
+    context (never fewer than MIN_TIMED_CHUNK tokens, and that many before any chunk was
+    measured); outputs are those of whole-prompt passes."""
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     rng = np.random.default_rng(6)
     long_prompts = [list(rng.integers(3, VOCAB, 200)) for _ in range(2)]
@@ -201,6 +201,7 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     engine.step()  # a plain step of the two streams: measured by rows
     late, later = (engine.add_request(p, params) for p in long_prompts)
     engine.step()  # admitted, the first chunk computed in the streams' pass: measured too
+    assert late.sequences[0].kv_len == MIN_TIMED_CHUNK  # before any chunk was measured
     assert scheduler.costs.decode.predict(2) is not None and scheduler.prefill_costs.fit()
     # Costs as measured on a slow machine: 10 ms a plain step of 2 rows, a prompt token
     # 0.3 ms plus 1 us per token of context.
