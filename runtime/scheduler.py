@@ -51,12 +51,13 @@ FIRST_STEP_PAGES = 1
 # What a sequence may need beyond ``pages(its tokens)`` from admission to its end.
 SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
 # The smallest chunk a time budget leaves a prompt beside decoding rows, and the chunk before
-# any was measured: deep into a very long prompt a token can cost a fifth of a step, and the
-# prompt must still finish. At 8 this floor, not the time ratio, sized most chunks beside 8
-# SmolLM2 int8 streams on 2 cores (8 tokens cost ~0.75 of their step) and their median gap ran
-# 1.85x their gap alone; an unmeasured first chunk of the whole token budget (56) made a 3.5x
-# gap (docs/benchmarks-features.md, long prompts).
-MIN_TIMED_CHUNK = 2
+# any was measured (the whole token budget, 56 tokens, made one step 3.5x its streams' gap):
+# deep into a very long prompt a token can cost a fifth of a step, and the prompt must still
+# finish. This floor, not the time ratio, sizes most chunks beside 8 SmolLM2 int8 streams on 2
+# cores (8 tokens cost ~0.75 of their step). With streams that outlast a 2,000-token prompt, a
+# floor of 2 brought their p99 gap from 2.5x to 2.1x their gap alone and the prompt's first
+# token from 7.7 s to 26 s (2026-11-27, Xeon; docs/benchmarks-features.md has the bench).
+MIN_TIMED_CHUNK = 8
 
 
 def pages(num_tokens: int, page_size: int) -> int:

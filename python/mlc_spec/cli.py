@@ -402,10 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk-time-ratio",
         type=float,
-        default=0.3,
+        default=0.5,
         help="and in time: a chunk predicted (from this server's measured passes) to take at "
         "most this multiple of the decoding requests' plain step, at any context (default "
-        "0.3: their steps take about 1.3 times as long); 0: tokens only",
+        "0.5: their steps take about 1.5 times as long); 0: tokens only",
     )
     p.add_argument(
         "--replicas",
