@@ -54,9 +54,9 @@ SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
 # any was measured (the whole token budget, 56 tokens, made one step 3.5x its streams' gap):
 # deep into a very long prompt a token can cost a fifth of a step, and the prompt must still
 # finish. This floor, not the time ratio, sizes most chunks beside 8 SmolLM2 int8 streams on 2
-# cores (8 tokens cost ~0.75 of their step). With streams that outlast a 2,000-token prompt, a
-# floor of 2 brought their p99 gap from 2.5x to 2.1x their gap alone and the prompt's first
-# token from 7.7 s to 26 s (2026-11-27, Xeon; docs/benchmarks-features.md has the bench).
+# cores (8 tokens cost ~0.75 of their step). A floor of 2 took the streams' p99 gap under 2x
+# only where they end early, and made a 2,000-token prompt wait several times longer for its
+# first token while streams outlast it (the probe's figures: commit 51dfebc).
 MIN_TIMED_CHUNK = 8
 
 
