@@ -277,7 +277,10 @@ class Int8Matmul:
             [
                 nn.Tensor.placeholder((m, k), "int8"),
                 nn.Tensor.placeholder((m, scaled), "float32"),
-                nn.Tensor.placeholder((m, _sums_count(fmt, k)), _sums_dtype(fmt.zero)),
+                nn.Tensor.placeholder(
+                    (m, _sums_count(k, fmt.group_size, activation_group(fmt), fmt.zero)),
+                    _sums_dtype(fmt.zero),
+                ),
             ],
         )
         out = op.tensor_ir_op(
@@ -307,11 +310,12 @@ def _sums_dtype(zero: int) -> str:
     return "int32" if zero else "float32"
 
 
-def _sums_count(fmt: GroupFormat, k: int) -> int:
-    """How many code sums ``quantize_func`` gives a row for a weight in ``fmt``: one per
-    activation group (each starts an integer dot), or for an asymmetric format one per weight
-    group (its offset's factor)."""
-    return k // (fmt.group_size if fmt.asymmetric else activation_group(fmt))
+def _sums_count(k: int, group: int, scaled: int, zero: int) -> int:
+    """How many code sums ``quantize_func`` gives a row of ``k`` values before weights in groups
+    of ``group`` (activations in groups of ``scaled``): one per activation group where the
+    format's ``zero`` starts each integer dot, else (asymmetric) one per weight group, its
+    offset's factor."""
+    return k // (scaled if zero else group)
 
 
 @cache
@@ -327,7 +331,7 @@ def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) 
     asymmetric formats (zero 0), per weight group the sum over its activation groups of
     sum(codes) * scale (float32, [M, k/group]), which the group's offset multiplies."""
     groups, split = k // group, group // scaled
-    sums = groups if not zero else groups * split
+    sums = _sums_count(k, group, scaled, zero)
     with IRBuilder() as ib, scheduled_prim_func():
         m = T.int64()
         x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
@@ -428,7 +432,7 @@ class _Params:
         groups, per_group = shape.groups, (shape.panels, shape.groups, shape.panel_rows)
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * shape.split), "float32")
-        sums = (m, _sums_count(fmt, k))
+        sums = (m, _sums_count(k, fmt.group_size, activation_group(fmt), fmt.zero))
         xsum = T.match_buffer(T.arg("xsum", T.handle()), sums, _sums_dtype(fmt.zero))
         words = (shape.panels, groups * shape.words, shape.panel_rows)
         codes = T.arg("codes", T.buffer(words, "uint32"))
