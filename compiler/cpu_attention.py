@@ -28,11 +28,15 @@ the tree, not to every token before it in the pass: a path of ``m`` keys maps th
 gathered lane by lane (lane = position mod 16, as in the page decode would have written) and
 then goes through the same arithmetic, so a tree row is bit for bit the decode row of its path.
 
-The thread pool's tasks are (query row, KV head) pairs, even in a decode step: in a model's
-layer the pages come from memory, and two threads' reads overlap (run alone, with the pages in
-cache, one thread was faster below ~150 page visits). Each task asks for the next page's lines
-while it works on one. Scores are in base 2 (the query is scaled by log2 e), so every
-exponential is an ``exp2`` (``vector_exp``).
+The threads share out (query row, KV head) tasks, even in a decode step: in a model's layer
+the pages come from memory, and two threads' reads overlap (run alone, with the pages in cache,
+one thread was faster below ~150 page visits). Each thread takes one contiguous run of the
+tasks, cut by their cost in page visits, so that a prompt chunk's rows at a long context do
+not all land on one thread, as they did when the pool cut the task list by count. Within a
+sequence the tasks go KV head by KV head, so that the rows of a verify block or of a prompt
+chunk read one head's pages one after another, from cache after the first (docs/kernels.md).
+Each task asks for the next page's lines while it works on one. Scores are in base 2 (the query
+is scaled by log2 e), so every exponential is an ``exp2`` (``vector_exp``).
 """
 
 from __future__ import annotations
@@ -111,8 +115,8 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
             value = buffer.vload([at], f"{buffer.dtype}x{PAGE}")
             return value if buffer.dtype == "float32" else T.Cast(_F32, value)
 
-        def attend(task) -> None:
-            """One query row and KV head, over the row's pages."""
+        def attend(row, g, sequence) -> None:
+            """One query row and KV head, over the pages of the row's ``sequence``."""
             with T.sblock("attn"):
                 T.reads()  # opaque: the regions depend on lengths read inside
                 T.writes()
@@ -127,18 +131,12 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                     T.sblock_alloc_buffer((CHAINS * PAGE,), "float32", scope="global")
                     for _ in range(SHARED_HEADS)
                 ]
-                seq = T.sblock_alloc_buffer((1,), "int32", scope="global")
                 # Where a gathered page's lanes come from: each key's first feature, each value
                 k_src = T.sblock_alloc_buffer((PAGE,), "int64", scope="global")
                 v_src = T.sblock_alloc_buffer((PAGE,), "int64", scope="global")
                 lanes = T.sblock_alloc_buffer((PAGE,), "float32", scope="global")  # a key vector
-                row = T.Bind(task // h_kv)
-                g = T.Bind(task % h_kv)
-                T.buffer_store(seq, 0, [0])
-                with T.serial(0, batch_plus_1 - 1) as b, T.If(q_indptr[b + 1] <= row), T.Then():
-                    T.buffer_store(seq, b + 1, [0])
                 keys = T.Bind(positions[row] + 1)
-                first = T.Bind(page_indptr[seq[0]])
+                first = T.Bind(page_indptr[sequence])
                 for i in range(group):
                     for c in range(vecs):
                         head = q.vload([row, g * group + i, c * PAGE], f"{dtype}x{PAGE}")
@@ -257,6 +255,48 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
                 value = vec(flat, v_row + c * PAGE)
                 _store(out, c * PAGE, _fma(weight, value, vec(out, c * PAGE)))
 
-        with T.sblock("root"), T.parallel(0, rows * h_kv) as task:
-            attend(task)
+        def cost(row):
+            """A task's work in page visits, one more for its set-up: what balances threads."""
+            return T.cast((positions[row] + PAGE) // PAGE + 1, "int64")
+
+        def tasks(visit) -> None:
+            """``visit(row, g, sequence)`` for every task, in the order the threads share out:
+            sequence by sequence, and within a sequence KV head by KV head."""
+            with (
+                T.serial(0, batch_plus_1 - 1) as b,
+                T.serial(0, h_kv) as g,
+                T.serial(q_indptr[b], q_indptr[b + 1]) as row,
+            ):
+                visit(row, g, b)
+
+        with T.sblock("root"):
+            counted = T.alloc_buffer((1,), "int64", scope="global")
+            T.buffer_store(counted, T.int64(0), [0])
+
+            def count(row, g, b):
+                T.buffer_store(counted, counted[0] + cost(row), [0])
+
+            tasks(count)
+            total = T.Bind(counted[0])
+            threads = T.Bind(T.cast(T.call_packed("runtime.NumThreads"), "int64"))
+            # Thread i (the calling thread is 0) runs the tasks whose cost midpoint falls in the
+            # i-th share of the total, a midpoint on a boundary going to the lower share. The
+            # stride pattern hands iteration i of the parallel loop to thread i.
+            with (
+                T.attr(0, "pragma_parallel_launch_point", 1),
+                T.attr(0, "pragma_parallel_stride_pattern", 1),
+                T.parallel(0, threads) as slot,
+                T.sblock("slot"),
+            ):
+                before = T.sblock_alloc_buffer((1,), "int64", scope="global")
+                T.buffer_store(before, T.int64(0), [0])
+
+                def run(row, g, b):
+                    c = T.Bind(cost(row))
+                    middle = 2 * before[0] + c
+                    with T.If((middle * threads - 1) // (2 * total) == slot), T.Then():
+                        attend(row, g, b)
+                    T.buffer_store(before, before[0] + c, [0])
+
+                tasks(run)
     return ib.get()

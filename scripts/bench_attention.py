@@ -6,14 +6,17 @@ An attention change worth 10% of a layer's kernel is a few percent of a step, lo
 whole-model run on a shared machine. Here both versions of ``compiler/cpu_attention.py``
 compile the same head shapes for this CPU and take turns round by round on the same random
 queries and page pool: ``rows`` new rows at the end of one sequence of ``context`` keys (1: a
-decode step, more: a verify block). The pages stay in cache from call to call, as they do not
-in a model's layer. Prints microseconds per call, B / A (B is this tree, A the revision), and
-the largest difference between their outputs (summation order may differ; the kernels' own
-tests pin accuracy).
+decode step, more: a verify block), or the batches of ``--batches``: ``CONTEXT:ROWS[*COUNT]``
+sequences joined by ``+``, e.g. ``64:1*8+2000:8`` for 8 decode rows beside a prompt chunk of 8
+rows at 2,000 keys. With ``--layers 1`` the pages stay in cache from call to call, as they do
+not in a model's layer; with more, each round calls every layer in turn, as a forward pass
+does. Prints microseconds per call, B / A (B is this tree, A the revision), and the largest
+difference between their outputs (summation order may differ; the kernels' own tests pin
+accuracy).
 
     python scripts/bench_attention.py --against REV [--context 133] [--rows 1,4,5,8]
-        [--shapes smollm2,qwen1.5b,qwen0.5b] [--rounds 12] [--cpu native]
-        [--write docs/benchmarks.md]
+        [--batches 64:1*8+2000:8,...] [--layers 1] [--shapes smollm2,qwen1.5b,qwen0.5b]
+        [--rounds 12] [--cpu native] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -40,37 +43,49 @@ HEADS = {"smollm2": (3, 9, 64), "qwen1.5b": (2, 12, 128), "qwen0.5b": (2, 14, 64
 CALLS = 200  # calls per version per round: one call is a few microseconds
 
 
-def page_pool(rng: np.random.Generator, keys: int, h_kv: int, d: int) -> list[np.ndarray]:
-    """One sequence's ``keys`` keys and values on shuffled pages of a one-layer pool with spare
-    pages: (pages, page_indptr, page_values)."""
-    used = -(-keys // PAGE)
-    pages = rng.standard_normal((1, used + 4, 2, h_kv, PAGE * d)).astype(np.float32)
-    values = rng.permutation(used + 4)[:used].astype(np.int32)
-    return [pages, np.array([0, used], np.int32), values]
+def batch(spec: str) -> list[tuple[int, int]]:
+    """``CONTEXT:ROWS[*COUNT]+...`` as (context, rows) per sequence."""
+    sequences = []
+    for part in spec.split("+"):
+        head, _, count = part.partition("*")
+        context, _, rows = head.partition(":")
+        sequences += [(int(context), int(rows))] * int(count or 1)
+    return sequences
 
 
-def call_arguments(rows: int, context: int, h_q: int, d: int, pool: list, rng) -> tuple:
-    """The kernel's arguments for ``rows`` rows at positions ``context`` on, without and with
-    (empty) draft-tree paths, and the output tensor among them."""
+def call_arguments(sequences, layers: int, h_kv: int, h_q: int, d: int, rng) -> tuple:
+    """The kernel's arguments for the ``(context, rows)`` sequences, rows at positions
+    ``context`` on, their keys and values on shuffled pages of a pool of ``layers`` layers;
+    per layer, without and with (empty) draft-tree paths; and the output tensor among them."""
     import tvm
 
+    page_counts = [-(-(context + rows) // PAGE) for context, rows in sequences]
+    pages = rng.standard_normal((layers, sum(page_counts) + 4, 2, h_kv, PAGE * d))
+    page_values = rng.permutation(len(pages[0]))[: sum(page_counts)]
+    rows = sum(r for _, r in sequences)
     q = rng.standard_normal((rows, h_q, d)).astype(np.float32)
-    pages, page_indptr, page_values = pool
-    positions = np.arange(context, context + rows, dtype=np.int32)
-    arrays = [q, pages, np.array([0, rows], np.int32), page_indptr, page_values, positions]
+    positions = np.concatenate([np.arange(c, c + r) for c, r in sequences])
+    q_indptr = np.cumsum([0] + [r for _, r in sequences])
+    arrays = [q, pages.astype(np.float32), q_indptr, np.cumsum([0, *page_counts]), page_values]
+    arrays = [a if a.dtype == np.float32 else a.astype(np.int32) for a in (*arrays, positions)]
     paths = [np.zeros(rows + 1, np.int32), np.zeros(1, np.int32)]
     out = tvm.runtime.tensor(np.zeros_like(q))
     plain = [tvm.runtime.tensor(a) for a in arrays]
     with_paths = plain + [tvm.runtime.tensor(a) for a in paths]
-    return {False: [*plain, 0, out], True: [*with_paths, 0, out]}, out
+    return {
+        False: [[*plain, layer, out] for layer in range(layers)],
+        True: [[*with_paths, layer, out] for layer in range(layers)],
+    }, out
 
 
-def time_calls(kernel, arguments: list) -> float:
-    """Seconds per call over ``CALLS`` calls."""
+def time_calls(kernel, per_layer: list) -> float:
+    """Seconds per call over at least ``CALLS`` calls, every layer's in turn."""
+    rounds = -(-CALLS // len(per_layer))
     start = time.perf_counter()
-    for _ in range(CALLS):
-        kernel(*arguments)
-    return (time.perf_counter() - start) / CALLS
+    for _ in range(rounds):
+        for arguments in per_layer:
+            kernel(*arguments)
+    return (time.perf_counter() - start) / (rounds * len(per_layer))
 
 
 def build(module, target, shape: tuple[int, int, int]):
@@ -87,6 +102,8 @@ def main() -> None:
     parser.add_argument("--against", required=True, help="git revision of the baseline (A)")
     parser.add_argument("--context", type=int, default=133, help="prefix keys; default 133")
     parser.add_argument("--rows", default="1,4,5,8", help="query rows; default 1,4,5,8")
+    parser.add_argument("--batches", help="CONTEXT:ROWS[*COUNT]+... each; replaces the above")
+    parser.add_argument("--layers", type=int, default=1, help="the pool's layers; default 1")
     parser.add_argument("--shapes", default=",".join(HEADS), help=f"of {', '.join(HEADS)}")
     add_run_arguments(parser)
     args = parser.parse_args()
@@ -101,25 +118,27 @@ def main() -> None:
     target = make_target("llvm", cpu=args.cpu)
     versions = {"A": module_at(args.against, ATTENTION), "B": cpu_attention}
     rng = np.random.default_rng(0)
+    batches = args.batches.split(",") if args.batches else args.rows.split(",")
     table = [
-        "| model heads (KV, query, size) | rows | A µs | B µs | B / A | max difference |",
+        f"| model heads (KV, query, size) | {'batch' if args.batches else 'rows'} | A µs "
+        "| B µs | B / A | max difference |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name in shapes:
-        shape = HEADS[name]
+        h_kv, h_q, d = shape = HEADS[name]
         kernels = {v: build(m, target, shape) for v, m in versions.items()}
-        for rows in (int(r) for r in args.rows.split(",")):
-            pool = page_pool(rng, args.context + rows, shape[0], shape[2])
-            arguments, out = call_arguments(rows, args.context, shape[1], shape[2], pool, rng)
+        for spec in batches:
+            sequences = batch(spec) if args.batches else [(args.context, int(spec))]
+            arguments, out = call_arguments(sequences, args.layers, h_kv, h_q, d, rng)
             outputs = []
             for kernel, paths in kernels.values():
-                kernel(*arguments[paths])
+                kernel(*arguments[paths][0])
                 outputs.append(out.numpy().copy())
             timers = {v: partial(time_calls, k, arguments[p]) for v, (k, p) in kernels.items()}
             medians = alternating_medians(timers, args.rounds)
             a, b = medians["A"] * 1e6, medians["B"] * 1e6
             line = (
-                f"| {name} {shape} | {rows} | {a:.1f} | {b:.1f} | {b / a:.3f} "
+                f"| {name} {shape} | {spec} | {a:.1f} | {b:.1f} | {b / a:.3f} "
                 f"| {np.abs(outputs[0] - outputs[1]).max():.1e} |"
             )
             table.append(line)
@@ -134,10 +153,19 @@ def main() -> None:
             *machine_context(load, software, f"{args.threads} threads"),
             f"- A: `{ATTENTION}` at `{args.against}` (`{against}`); B: this tree (HEAD "
             f"`{short_commit('HEAD')}`)",
-            f"- One sequence with {args.context} keys before the new rows (1 row: a decode step, "
-            "more: a verify block), pages in cache. Medians of "
-            f"{args.rounds} rounds of {CALLS} calls, the versions taking turns to go first (one "
-            "warm-up round dropped)",
+            (
+                "- Batches of sequences, CONTEXT:ROWS[*COUNT]: ROWS new rows after CONTEXT keys"
+                if args.batches
+                else f"- One sequence with {args.context} keys before the new rows (1 row: a "
+                "decode step, more: a verify block)"
+            )
+            + (
+                ", pages in cache"
+                if args.layers == 1
+                else f", a pool of {args.layers} layers called in turn (pages from memory)"
+            )
+            + f". Medians of {args.rounds} rounds of {CALLS} calls, the versions taking turns to "
+            "go first (one warm-up round dropped)",
             "",
             *table,
         ]

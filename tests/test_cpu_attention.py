@@ -119,6 +119,37 @@ def test_a_row_is_the_same_in_any_call(kernel):
         np.testing.assert_array_equal(np.concatenate(parts), alone[:17])
 
 
+@pytest.fixture
+def thread_pool():
+    """Sets the thread pool's size for a test, then gives it back to ``TVM_NUM_THREADS``."""
+    configure = tvm.get_global_func("runtime.config_threadpool")
+    yield lambda threads: configure(1, threads)  # 1: TVM's default affinity mode
+    configure(1, 0)
+
+
+def test_every_thread_count_runs_every_task_once(kernel, thread_pool):
+    """The threads share the tasks out by cost: decode rows at short contexts beside a prompt
+    chunk at a long one (a chunk's tasks cost the most) and a verify block. On 1 to 5 threads
+    every row matches the reference, with the same bits."""
+    (h_kv, h_q, d), f = kernel
+    rng = np.random.default_rng(3)
+    pool = _Pool(rng, [5, 20, 33, 300, 3, 50], h_kv, d)
+    rows = [(0, 4), (1, 19), (2, 32), *[(3, p) for p in range(290, 300)], (4, 2)]
+    rows += [(5, p) for p in range(45, 50)]
+    q = rng.standard_normal((len(rows), h_q, d)).astype(np.float32)
+    outputs = []
+    for threads in range(1, 6):
+        thread_pool(threads)
+        outputs.append(pool.attend(f, q, rows))
+    for i, (s, p) in enumerate(rows):
+        k, v = pool.kv[s]
+        np.testing.assert_allclose(
+            outputs[0][i], _reference(q[i], k[: p + 1], v[: p + 1]), atol=2e-5
+        )
+    for out in outputs[1:]:
+        np.testing.assert_array_equal(out, outputs[0])
+
+
 def test_a_tree_row_is_the_decode_row_of_its_path(kernel):
     """A draft tree of 11 nodes appended after a 29-token context (its nodes crossing a page
     boundary): each node's row attends to the context and its own path, and equals bit for bit
