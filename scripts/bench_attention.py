@@ -170,7 +170,8 @@ def main() -> None:
             *table,
         ]
     )
-    publish(section, args.write, f"bench_attention-{against}-{args.cpu}")
+    batches_key = "-batches" if args.batches else ""
+    publish(section, args.write, f"bench_attention-{against}-{args.cpu}{batches_key}")
 
 
 if __name__ == "__main__":
