@@ -257,10 +257,10 @@ class EngineConfig:
     # so their steps take at most about (1 + this) times as long while a long prompt is
     # prefilled, whatever its context; at least MIN_TIMED_CHUNK tokens, so prompts still
     # advance. None: tokens only.
-    # SmolLM2 int8 on 2 cores, 8 streams and a 2,000-token prompt: 0.3-0.5 kept the streams'
-    # p99 gap at 2.3-2.5x their median alone (tokens alone: 13x), the prompt's first token
-    # ~1.1x later (docs/benchmarks-features.md); with streams that outlast the prompt, several
-    # times later (commit 51dfebc).
+    # SmolLM2 int8 on 2 cores, 8 streams that outlast a 2,000-token prompt: 0.5 kept the
+    # streams' p99 gap at 2.9x their median alone over the same tokens (tokens alone: 7.5x),
+    # the prompt's first token 3x later (docs/benchmarks-features.md); there MIN_TIMED_CHUNK
+    # sizes the chunks, not this ratio.
     chunk_time_ratio: float | None = 0.5
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).

@@ -53,10 +53,12 @@ SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
 # The smallest chunk a time budget leaves a prompt beside decoding rows, and the chunk before
 # any was measured (the whole token budget, 56 tokens, made one step 3.5x its streams' gap):
 # deep into a very long prompt a token can cost a fifth of a step, and the prompt must still
-# finish. This floor, not the time ratio, sizes most chunks beside 8 SmolLM2 int8 streams on 2
-# cores (8 tokens cost ~0.75 of their step). A floor of 2 took the streams' p99 gap under 2x
-# only where they end early, and made a 2,000-token prompt wait several times longer for its
-# first token while streams outlast it (the probe's figures: commit 51dfebc).
+# finish. This floor, not the time ratio, sizes the chunks beside 8 SmolLM2 int8 streams on 2
+# cores: a chunk's rows cost about what decoding rows do, so 8 tokens about double the step
+# (docs/benchmarks-features.md: ratios 0.5 and 1 read the same). A floor of 4 or 2 halved the
+# chunks' toll on the streams' median gap at most, and made a 2,000-token prompt wait 2-3.4x
+# longer for its first token (the probes' figures: the messages of commit 51dfebc and of the
+# commit that wrote this sentence).
 MIN_TIMED_CHUNK = 8
 
 
