@@ -19,9 +19,11 @@ from mlc_spec.runtime.artifact import (
     CONFIG_FILE,
     FORMAT_VERSION,
     LIBRARY_FILE,
+    SAMPLER_LIBRARY_FILE,
     WEIGHTS_FILE,
     ParamRecord,
     functions,
+    sampler_functions,
 )
 
 from . import flashinfer
@@ -145,7 +147,7 @@ def _write_artifact(
             kernels.enter_context(progress.stage("building FlashInfer kernels (cached on disk)"))
             kernels.enter_context(flashinfer.jit_build(options.cuda_arch))
         ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
-    ir_module = attach_sampler(ir_module, cfg.vocab_size, cpu=target == "llvm")
+    sampler_module = attach_sampler(tvm.IRModule(), cfg.vocab_size, cpu=target == "llvm")
     link_options = None
     if module.extern_mods:
         ir_module = ir_module.with_attr("external_mods", module.extern_mods)
@@ -172,6 +174,13 @@ def _write_artifact(
                 ),
             )
             executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
+            # Its own library, always noalias (runtime/artifact.py says why).
+            sampler = tvm.compile(
+                sampler_module,
+                target=tvm_target,
+                relax_pipeline=relax_pipeline(tvm_target, cfg.dtype),
+            )
+            sampler.export_library(str(staging / SAMPLER_LIBRARY_FILE))
         except Exception as err:  # noqa: BLE001 - TVM raises many types
             last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             raise CompileError(f"TVM failed to compile for {target}: {last}") from None
@@ -188,6 +197,7 @@ def _write_artifact(
             "kv_cache": module.kv_cache.name,
             "tvm_version": tvm.__version__,
             "functions": list(functions(module.kv_cache.name)),
+            "sampler_functions": list(sampler_functions(module.kv_cache.name)),
             "quantization": options.quantization,
             "activations": options.activations,
             "params": [r.to_json() for r in records],

@@ -1,8 +1,14 @@
 """The artifact format: the files ``mlc-spec compile`` writes and the runtime reads.
 
 An artifact directory holds everything needed to run the model with TVM's runtime alone:
-``model.so`` (compiled functions), ``params.safetensors`` (converted weights, in the order the
-functions take them), the tokenizer files and ``mlc-spec-config.json`` describing the rest.
+``model.so`` (the model's compiled functions), ``sampler.so`` (sampling and verification),
+``params.safetensors`` (converted weights, in the order the functions take them), the tokenizer
+files and ``mlc-spec-config.json`` describing the rest.
+
+The sampler is a library of its own because TVM 0.27 compiles every function of a library with
+one ``noalias`` setting (``compiler/noalias.py``): int8-activation models need it off, and
+without it the sampler's row softmax took 5-19 ms at 2-8 rows instead of 0.2-0.9 ms
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from mlc_spec.errors import UserError
 
 CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
+SAMPLER_LIBRARY_FILE = "sampler.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # How the linear layers treat activations (``mlc-spec compile --activations``): ``float``, or
 # ``int8``, quantized per row and weight group for integer dot products with quantized weights.
 ACTIVATIONS = ("float", "int8")
-# Sampling and verification on the device, beside the model (compiler/sampler.py builds them,
+# Sampling and verification on the device, in ``sampler.so`` (compiler/sampler.py builds them,
 # runtime/sampler.py calls them); in this order.
 SAMPLER_FUNCTIONS = (
     "argmax_tokens",
@@ -49,10 +56,14 @@ KV_CACHES = ("pages", "tvm")
 
 
 def functions(kv_cache: str) -> tuple[str, ...]:
-    """The functions an artifact with this kind of KV cache exports, in order."""
+    """The functions ``model.so`` of an artifact with this kind of KV cache exports, in order."""
     creates = ("create_paged_kv_cache",) if kv_cache == "tvm" else ()
-    cpu = CPU_SAMPLER_FUNCTIONS if kv_cache == "pages" else ()
-    return (*MODEL_FUNCTIONS, *creates, *SAMPLER_FUNCTIONS, *cpu)
+    return (*MODEL_FUNCTIONS, *creates)
+
+
+def sampler_functions(kv_cache: str) -> tuple[str, ...]:
+    """The functions ``sampler.so`` exports, in order."""
+    return (*SAMPLER_FUNCTIONS, *(CPU_SAMPLER_FUNCTIONS if kv_cache == "pages" else ()))
 
 
 # Storage dtypes of parameters: float weights, and the codes and scales of quantized ones
@@ -148,7 +159,7 @@ def read_config(artifact_dir: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} has unknown kv_cache {config.get('kv_cache')!r}")
     if config.get("activations") not in ACTIVATIONS:
         raise ArtifactError(f"{path} has unknown activations {config.get('activations')!r}")
-    for name in (LIBRARY_FILE, WEIGHTS_FILE):
+    for name in (LIBRARY_FILE, SAMPLER_LIBRARY_FILE, WEIGHTS_FILE):
         if not (root / name).is_file():
             raise ArtifactError(f"artifact {root} is incomplete: {name} is missing")
     config["params"] = [ParamRecord.from_json(p) for p in config.get("params", [])]

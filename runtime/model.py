@@ -18,7 +18,14 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
 from . import rows
-from .artifact import LIBRARY_FILE, WEIGHTS_FILE, ArtifactError, missing_cpu_features, read_config
+from .artifact import (
+    LIBRARY_FILE,
+    SAMPLER_LIBRARY_FILE,
+    WEIGHTS_FILE,
+    ArtifactError,
+    missing_cpu_features,
+    read_config,
+)
 from .kv_cache import PagedKVCache, PagePool, TVMKVCache, host_tensor
 from .sampler import Sampler
 from .weights import load_params
@@ -89,12 +96,17 @@ class Model:
         self.vm = VirtualMachine(
             tvm.runtime.load_module(str(self.path / LIBRARY_FILE)), self.device
         )
+        self.sampler_vm = VirtualMachine(
+            tvm.runtime.load_module(str(self.path / SAMPLER_LIBRARY_FILE)), self.device
+        )
         # Converted to a TVM array once: a Python list would be converted on every call.
         self.params = tvm_ffi.convert(
             load_params(self.path / WEIGHTS_FILE, self.config["params"], self.device)
         )
         self._fn = {name: self.vm[name] for name in self.config["functions"]}
-        self.sampler = Sampler(self._fn, self.device)
+        self.sampler = Sampler(
+            {name: self.sampler_vm[name] for name in self.config["sampler_functions"]}, self.device
+        )
 
     def create_kv_cache(
         self,
