@@ -546,13 +546,14 @@ def bench(args) -> dict[str, Any]:
     body = {
         "model": args.served_model,
         "max_tokens": args.max_tokens,
-        "temperature": 0,
+        "temperature": args.temperature,
         "ignore_eos": args.ignore_eos,
     }
     results: dict[str, Any] = {
         "command": shlex.join(["mlc-spec", *sys.argv[1:]]),
         "machine": machine(),
         "repeats": args.repeats,
+        "temperature": args.temperature,
         "settings": {},
     }
     with contextlib.ExitStack() as stack:
@@ -621,7 +622,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"{' '.join(m['vector_flags'])}, no GPU; Python {m['python']}",
         f"- Command: `{results['command']}`",
         f"- Each server loaded {results['repeats']} time(s) per level, interleaved; output tok/s "
-        "is the median run's, latencies are over every request",
+        "is the median run's, latencies are over every request; "
+        + (
+            f"sampled at temperature {results['temperature']:g}"
+            if results["temperature"]
+            else "greedy"
+        ),
         "",
         f"| server | concurrency | ok/sent | output tok/s | x {first} | TTFT p50 / p99 ms "
         "| TTFT turns >= 2 p50 / p99 ms | prefix cache hits | TPOT p50 / p99 ms | acceptance "
@@ -785,6 +791,12 @@ def add_arguments(p) -> None:
         help="each replica's (or the one server's) threads (default: cores / replicas)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's (default 0: greedy, the same answers from every server)",
+    )
     p.add_argument(
         "--no-ignore-eos",
         dest="ignore_eos",

@@ -132,10 +132,12 @@ def test_bench_serve_loads_a_running_server(tiny_llama, tmp_path):
     with serving(LLM(tiny_llama.artifact)) as served:
         argv = ["bench", "serve", "--base-url", f"{served.url}/v1", "--served-model", "tiny"]
         argv += ["--label", "elsewhere", "--concurrency", "2", "--max-tokens", "3"]
-        argv += ["--min-requests", "4", "--output-dir", str(tmp_path)]
+        argv += ["--min-requests", "4", "--output-dir", str(tmp_path), "--temperature", "0.7"]
         assert main(argv) == 0
-    (row,) = json.loads((tmp_path / "results.json").read_text())["settings"]["elsewhere"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    (row,) = results["settings"]["elsewhere"]
     assert row["completed"] == row["requests"] == 4 and row["output_throughput"] > 0
+    assert "sampled at temperature 0.7" in (tmp_path / "results.md").read_text()
 
 
 def test_poisson_arrivals(tiny_llama):

@@ -93,6 +93,11 @@ def test_ngram_is_lossless(target, reference, k):
 
 @pytest.mark.parametrize("k", [2, 5, "auto"])
 def test_suffix_is_lossless_and_drafts_from_earlier_outputs(target, reference, k):
+    """With a fixed k the second round drafts each answer from its earlier copy. With k auto
+    the policy decides from measured costs whether drafting pays on this tiny model, where a
+    pass costs about the same with or without drafts: after the first round's drafts from the
+    prompts were rejected it may wait out the whole second round before trying again (its
+    tries come back every ~75 steps), so only the output is pinned there."""
     llm = LLM(target.artifact, speculative={"method": "suffix", "num_speculative_tokens": k})
     assert _token_ids(llm, _prompts()) == reference
     first = llm.metrics()
@@ -101,7 +106,8 @@ def test_suffix_is_lossless_and_drafts_from_earlier_outputs(target, reference, k
     assert _token_ids(llm, _prompts()) == reference
     again = llm.metrics()
     accepted = again["num_accepted_tokens"] - first["num_accepted_tokens"]
-    assert accepted > first["num_accepted_tokens"]
+    if k != "auto":
+        assert accepted > first["num_accepted_tokens"]
     assert again["suffix_cache"]["documents"] == len(reference)  # equal answers: not twice
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
