@@ -21,6 +21,7 @@ from mlc_spec.runtime.speculation import (
     expected_tokens,
     warm_up,
 )
+from mlc_spec.runtime.speculation.policy import MIN_GAIN
 from mlc_spec.runtime.speculation.warm_up import COARSE_STRIDE, FINE_SIZES, sizes
 
 K = 6
@@ -232,11 +233,11 @@ def int8_batch_of_one() -> StepCosts:
 
 
 def high_load() -> StepCosts:
-    """16 rows: each verified token costs 0.6 of a decode row, so drafting pays only from an
-    acceptance of ~0.9."""
+    """16 rows: each verified token costs half a decode row, so drafting pays only from an
+    acceptance of ~0.85 (the draft model's passes and ``MIN_GAIN`` included)."""
     return StepCosts(
         CostTable({16: 0.240}),
-        CostTable({n: 0.240 * (1 + 0.6 * (n - 16) / 16) for n in range(16, 16 * (K + 1) + 1)}),
+        CostTable({n: 0.240 * (1 + 0.5 * (n - 16) / 16) for n in range(16, 16 * (K + 1) + 1)}),
         DraftCosts(model=True, first=CostTable({32: 0.070}), next=CostTable({16: 0.090})),
     )
 
@@ -282,6 +283,16 @@ def test_evidence_of_low_acceptance_keeps_exploration_rare():
     chosen = simulate(int8_batch_of_one(), rows=1, alpha=0.3, steps=3000)
     assert chosen[0] >= 1
     assert max(chosen[20:]) <= 2 and sum(map(bool, chosen)) < len(chosen) / 25
+
+
+def test_a_gain_within_the_predictions_error_does_not_draft():
+    """Verify as cheap as decode: one draft at acceptance a predicts 1 + a tokens a step. Below
+    ``MIN_GAIN`` the plain step stands; above it the draft goes ahead."""
+    free_verify = StepCosts(
+        CostTable({1: 0.010}), CostTable({1: 0.010, 2: 0.010}), DraftCosts(model=False)
+    )
+    assert choose(batch([MIN_GAIN * 0.8], cap=1), free_verify) == [0]
+    assert choose(batch([MIN_GAIN * 1.2], cap=1), free_verify) == [1]
 
 
 def test_high_load_explores_once_then_stays_off():
@@ -387,11 +398,11 @@ def test_plain_decode_is_never_predicted_dearer_than_a_verify_of_its_rows():
         DraftCosts(model=False),
     )
     assert step.target(2, 2) == 0.300
-    assert sum(choose(batch([0.1, 0.1]), step)) > 0
+    assert sum(choose(batch([0.3, 0.3]), step)) > 0
     for _ in range(30):
         step.observe_target(2, 3, 0.040)
     assert step.target(2, 2) == pytest.approx(0.031, rel=0.02)
-    assert choose(batch([0.1, 0.1]), step) == [0, 0]
+    assert choose(batch([0.3, 0.3]), step) == [0, 0]
 
 
 class _Clock:

@@ -27,6 +27,12 @@ from .costs import REFERENCE_CONTEXT, StepCosts, StepShape
 # Most tokens a catch-up is spread over: a reply seldom runs to a large max_tokens, and a cost
 # spread over tokens that never come would be charged too little.
 HORIZON_TOKENS = 256
+# The least goodput over the step without the policy's drafts that makes drafting worth it.
+# Predicted steps come within a few percent of measured ones (docs/benchmarks.md, the serving
+# run's "predicted / measured"), so a predicted gain below that is noise, and drafting on one
+# costs what the prediction missed: SmolLM2 int8 in the server at 4-16 streams expected ~1.0x
+# from its drafts and ran at 0.90-1.01x no speculation.
+MIN_GAIN = 0.05
 
 
 @dataclasses.dataclass
@@ -84,7 +90,7 @@ class GoodputPolicy:
         whole = sum(once[i] for i in drafting)  # paid in this step
         spread = sum(share[i] * emitted[i] for i in drafting)
         step = costs.predict(shape)
-        best = _decision(num_draft, step, whole, spread, tokens)
+        best = base = _decision(num_draft, step, whole, spread, tokens)
         # Next drafts by their chance to be emitted: c_k alpha^(k+1) for the (k+1)-th.
         chance = [c.acceptance for c in batch]  # alpha^(k+1), uncalibrated
         queue = [
@@ -113,6 +119,12 @@ class GoodputPolicy:
             candidate = _decision(num_draft, step, whole, spread, tokens)
             if tokens * best.charged_seconds > best.expected_tokens * candidate.charged_seconds:
                 best = candidate
+        if base.charged_seconds is not None and best is not base:
+            gain = (best.expected_tokens * base.charged_seconds) / (
+                base.expected_tokens * best.charged_seconds
+            )
+            if gain < 1 + MIN_GAIN:
+                return base
         return best
 
     def choose_methods(
