@@ -60,14 +60,16 @@ def call_arguments(sequences, layers: int, h_kv: int, h_q: int, d: int, rng) -> 
     import tvm
 
     page_counts = [-(-(context + rows) // PAGE) for context, rows in sequences]
-    pages = rng.standard_normal((layers, sum(page_counts) + 4, 2, h_kv, PAGE * d))
-    page_values = rng.permutation(len(pages[0]))[: sum(page_counts)]
+    pages = rng.standard_normal((layers, sum(page_counts) + 4, 2, h_kv, PAGE * d), np.float32)
     rows = sum(r for _, r in sequences)
-    q = rng.standard_normal((rows, h_q, d)).astype(np.float32)
-    positions = np.concatenate([np.arange(c, c + r) for c, r in sequences])
-    q_indptr = np.cumsum([0] + [r for _, r in sequences])
-    arrays = [q, pages.astype(np.float32), q_indptr, np.cumsum([0, *page_counts]), page_values]
-    arrays = [a if a.dtype == np.float32 else a.astype(np.int32) for a in (*arrays, positions)]
+    q = rng.standard_normal((rows, h_q, d), np.float32)
+    tables = (
+        np.cumsum([0] + [r for _, r in sequences]),  # q_indptr
+        np.cumsum([0, *page_counts]),  # page_indptr
+        rng.permutation(len(pages[0]))[: sum(page_counts)],  # page_values
+        np.concatenate([np.arange(c, c + r) for c, r in sequences]),  # positions
+    )
+    arrays = [q, pages, *(t.astype(np.int32) for t in tables)]
     paths = [np.zeros(rows + 1, np.int32), np.zeros(1, np.int32)]
     out = tvm.runtime.tensor(np.zeros_like(q))
     plain = [tvm.runtime.tensor(a) for a in arrays]

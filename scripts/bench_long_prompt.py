@@ -54,7 +54,9 @@ async def stream(client: httpx.AsyncClient, base: str, prompt: list[int], tokens
     return [*times, time.perf_counter()]
 
 
-async def load(base: str, tokens: int, with_long_prompt: bool) -> tuple[list[float], float | None]:
+async def load(
+    base: str, tokens: int, with_long_prompt: bool
+) -> tuple[list[tuple[int, float]], float | None]:
     """The gaps between the streams' ``tokens`` tokens as (token index, seconds) (all of them,
     or with the long prompt those while it waits for its first token), and the long prompt's
     time to first token."""
