@@ -178,7 +178,7 @@ def _write_artifact(
             sampler = tvm.compile(
                 sampler_module,
                 target=tvm_target,
-                relax_pipeline=relax_pipeline(tvm_target, cfg.dtype),
+                relax_pipeline=relax_pipeline(tvm_target, cfg.dtype, unroll=False),
             )
             sampler.export_library(str(staging / SAMPLER_LIBRARY_FILE))
         except Exception as err:  # noqa: BLE001 - TVM raises many types

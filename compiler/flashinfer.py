@@ -14,6 +14,7 @@ FlashInfer's build specs are replaced by :class:`_CachedBuild`, which
 - compiles TVM's renamed binding source from a copy written only when its content changes:
   TVM renames the exported functions by rewriting the binding source that FlashInfer
   regenerates on every call, so ninja saw it as new and recompiled it on every compile;
+- gives the prefill plan function the arguments TVM passes (:func:`_with_tvm_plan_signature`);
 - completes the prefill kernel sources (in such copies too) with the CTA_TILE_Q variants that
   ``batch_prefill.cu`` dispatches to but the generated sources leave out: CTA_TILE_Q=32 for
   head dims below 512, which FlashInfer's planner never picks there, but whose 12 undefined
@@ -48,6 +49,9 @@ _GENERATORS = ("gen_customize_batch_prefill_module", "gen_customize_batch_decode
 _DISPATCHED_CTA_TILES = (16, 32, 64, 128)
 _INSTANCE = re.compile(r"template cudaError_t [^;]*?/\*CTA_TILE_Q=\*/(\d+)[^;]*;")
 _SM = re.compile(r"sm_(\d+)(\d)([a-z]?)")
+_PLAN = r"(Array<int64_t> BatchPrefillWithKVCachePlan\([^)]*?), int64_t uniform_q_len"
+_PLAN_DEFINITION = re.compile(_PLAN + r" = 0\) \{")
+_PLAN_DECLARATION = re.compile(_PLAN + r"\);")
 _FIX = "use --attention tir"
 
 
@@ -194,13 +198,25 @@ class _CachedBuild:
         ]
 
 
+def _with_tvm_plan_signature(text: str) -> str:
+    """``text`` with the prefill plan function taking the 19 arguments that TVM 0.27's KV cache
+    passes: FlashInfer 0.6.16 added a 20th, ``uniform_q_len`` (0 unless the caller knows every
+    sequence brings as many new tokens), and the call failed on the GPU with "Expected 20 but
+    got 19 arguments". The definition keeps it as a constant 0, the binding's declaration drops
+    it."""
+    text = _PLAN_DEFINITION.sub(
+        r"\1) {\n  const int64_t uniform_q_len = 0;  // TVM 0.27 passes none", text
+    )
+    return _PLAN_DECLARATION.sub(r"\1);", text)
+
+
 def _source_to_compile(source: Path) -> Path:
     """``source``, or the copy of it to compile instead: TVM's renamed binding source, and
     kernel sources completed with the CTA_TILE_Q variants they leave out. A copy is written only
     when its content changes, so that ninja does not rebuild it; its name does not end in
     ``_binding.cu``, or TVM would rename its exports again."""
     text = source.read_text()
-    completed = _with_all_cta_tiles(text)
+    completed = _with_tvm_plan_signature(_with_all_cta_tiles(text))
     if completed == text and not source.name.endswith("_binding.cu"):
         return source
     copy = source.with_name(f"{source.stem}_tvm{source.suffix}")

@@ -15,6 +15,7 @@ from .cpu_rms_norm import LEGALIZE as RMS_NORM_LEGALIZE
 from .cpu_rule import SerialWhenSmall
 from .cpu_silu import LEGALIZE as SILU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
+from .gpu_unroll import UnrollInCompiler
 from .noalias import SetNoAlias
 
 
@@ -36,7 +37,7 @@ class _Guarded(ScheduleRule):
             return None
 
 
-def _schedule_rules(target: Target) -> list[ScheduleRule]:
+def _schedule_rules(target: Target, unroll: bool) -> list[ScheduleRule]:
     if target.kind.name == "llvm":
         rules = [
             CPUMatmul(),
@@ -46,24 +47,30 @@ def _schedule_rules(target: Target) -> list[ScheduleRule]:
         ]
     else:
         rules = [
-            dl.gpu.Matmul(),
-            dl.gpu.GEMV(),
-            dl.gpu.LowBatchGEMV(),
-            dl.gpu.Reduction(),
-            dl.gpu.GeneralReduction(),
-            dl.gpu.Fallback(),
+            UnrollInCompiler(rule, unroll)
+            for rule in (
+                dl.gpu.Matmul(),
+                dl.gpu.GEMV(),
+                dl.gpu.LowBatchGEMV(),
+                dl.gpu.Reduction(),
+                dl.gpu.GeneralReduction(),
+                dl.gpu.Fallback(),
+            )
         ]
     return [_Guarded(rule) for rule in rules]
 
 
-def relax_pipeline(target: Target, dtype: str, noalias: bool = True) -> tvm.transform.Pass:
+def relax_pipeline(
+    target: Target, dtype: str, noalias: bool = True, unroll: bool = True
+) -> tvm.transform.Pass:
     """Passes from the exported module to VM code. ``FuseTransposeMatmul`` first, so that a
     linear layer multiplies by its weight as stored instead of transposing it every call;
     ``DispatchSortScan`` gives the sampler's argsort and cumsum their CPU or GPU kernels; on
     the CPU, the sampler's argmax, SiLU and the RMS norms are vectorised (``cpu_argmax``,
     ``cpu_silu``, ``cpu_rms_norm``; the KV cache's kernels come with the model,
     ``cpu_kv_cache``), and every CPU kernel is compiled ``noalias``, or with ``noalias=False``
-    (the int8-activation path) none is (``noalias.py``)."""
+    (the int8-activation path) none is (``noalias.py``). On the GPU nvcc unrolls loops, or
+    with ``unroll=False`` (the sampler) none is unrolled (``gpu_unroll.py``)."""
     is_gpu = target.kind.name != "llvm"
     passes = [
         *([] if is_gpu else [UseCPUArgmaxKernel()]),
@@ -76,7 +83,7 @@ def relax_pipeline(target: Target, dtype: str, noalias: bool = True) -> tvm.tran
         rx.transform.FuseTIR(),
         rx.transform.DeadCodeElimination(),
         *([SkipTensorize()] if is_gpu and dtype in ("float16", "bfloat16") else []),
-        dl.ApplyDefaultSchedule(*_schedule_rules(target)),
+        dl.ApplyDefaultSchedule(*_schedule_rules(target, unroll)),
         rx.transform.RewriteDataflowReshape(),
         rx.transform.ToNonDataflow(),
         rx.transform.RemovePurityChecking(),

@@ -21,7 +21,7 @@ def compile_sampler(target: str = "llvm", vocab_size: int | None = None) -> tvm.
     return tvm.compile(
         attach_sampler(tvm.IRModule(), vocab_size, cpu=target == "llvm"),
         target=tvm_target,
-        relax_pipeline=relax_pipeline(tvm_target, "float32"),
+        relax_pipeline=relax_pipeline(tvm_target, "float32", unroll=False),
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from compiled_sampling import compile_sampler
 from tiny_models import make_tiny_model, save_tiny_checkpoint, tiny_config
 
 from mlc_spec.cli import main
+from mlc_spec.compiler import flashinfer
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
 from mlc_spec.compiler.options import CompileOptions
@@ -92,6 +94,15 @@ def test_sampler_functions_cross_compile_for_cuda(tmp_path):
         assert f" {kernel}_kernel(".encode() in library, kernel
 
 
+def test_sampler_loops_stay_rolled_in_the_cuda_source(tmp_path):
+    """The GPU machine compiles this source with nvcc each time an artifact loads: SmolLM2's
+    vocabulary written out loop by loop was 7.3 MB and 40 s of nvcc (``gpu_unroll.py``)."""
+    compile_sampler("cuda", vocab_size=49152).export_library(str(tmp_path / "sampler.so"))
+    library = (tmp_path / "sampler.so").read_bytes()
+    assert b"#pragma unroll\n" not in library  # (``#pragma unroll 1`` marks while loops)
+    assert len(library) < 1_000_000
+
+
 def test_flashinfer_attention_is_rejected_for_llvm(tiny_llama, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["compile", str(tiny_llama.checkpoint), "--target", "llvm", "--attention", "flashinfer"]
@@ -116,6 +127,28 @@ def _kernel_objects() -> dict[Path, int]:
 
     pattern = "batch_*_tvm_dtype_q_float16_*_qk_head_dim_64_*/*.o"
     return {p: p.stat().st_mtime_ns for p in env.FLASHINFER_JIT_DIR.glob(pattern)}
+
+
+def _plan_parameters(source: str) -> list[str]:
+    signature = re.search(r"BatchPrefillWithKVCachePlan\(([^)]*)\)", source)
+    return [p.strip() for p in signature[1].split(",")]
+
+
+def test_flashinfer_prefill_plan_takes_the_arguments_tvm_passes():
+    """TVM 0.27's KV cache calls FlashInfer's prefill plan with 19 arguments; 0.6.16 added a
+    20th, and the call failed on the GPU ("Expected 20 but got 19 arguments")."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None:
+        pytest.skip("needs the cuda extra: pip install 'mlc-spec[cuda]'")
+    csrc = Path(spec.submodule_search_locations[0]) / "data" / "csrc"
+    for name in ("batch_prefill.cu", "batch_prefill_jit_binding.cu"):  # definition, declaration
+        shipped = (csrc / name).read_text()
+        assert len(_plan_parameters(shipped)) == 20
+        rewritten = flashinfer._with_tvm_plan_signature(shipped)
+        assert len(_plan_parameters(rewritten)) == 19
+        assert _plan_parameters(rewritten)[-1].startswith("int64_t num_colocated_ctas")
+    definition = flashinfer._with_tvm_plan_signature((csrc / "batch_prefill.cu").read_text())
+    assert "const int64_t uniform_q_len = 0;" in definition
 
 
 @pytest.fixture(scope="module")
