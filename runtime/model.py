@@ -6,8 +6,6 @@ with the runtime-only TVM).
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from .artifact import (
     missing_cpu_features,
     read_config,
 )
+from .cuda_kernels import cuda_device
 from .kv_cache import PagedKVCache, PagePool, TVMKVCache, host_tensor
 from .sampler import Sampler
 from .weights import load_params
@@ -45,26 +44,8 @@ def _device(config: dict) -> tvm.runtime.Device:
             )
         return tvm.cpu()
     if target == "cuda":
-        no_gpu = "this artifact was compiled for CUDA, but no CUDA GPU is visible"
-        try:
-            _load_cuda_runtime()
-        except OSError as err:  # e.g. no libcuda.so.1: no NVIDIA driver on this machine
-            raise ArtifactError(f"{no_gpu} ({err})") from None
-        dev = tvm.cuda(0)
-        if not dev.exist:
-            raise ArtifactError(no_gpu)
-        return dev
+        return cuda_device(config["target_spec"])
     raise ArtifactError(f"artifact target {target!r} is not supported by this runtime")
-
-
-def _load_cuda_runtime() -> None:
-    """TVM's runtime-only mode (the GPU machine) does not load its CUDA device API by itself;
-    its TIR kernels are compiled from CUDA source when the library loads, through the callback
-    that ``tvm.support.nvcc`` registers."""
-    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
-    if lib.exists():
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    importlib.import_module("tvm.support.nvcc")
 
 
 def release_pooled_buffers() -> None:
