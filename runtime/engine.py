@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -115,6 +116,16 @@ class Occupancy:
     prefix_cache_hits: int  # ... and found there
 
 
+# Measured on an H200 (docs/benchmarks.md, docs/exactness.md): a CUDA artifact's verify rows differ
+# from its decode rows of the same tokens (dlight's GEMV against its matmul schedule, and the
+# decode against the prefill attention kernels), and from the rows of a shorter verify, so greedy
+# speculative output there can differ from plain decoding. The CPU's rows are bit-identical.
+CUDA_ROWS_DIFFER = (
+    "speculative decoding on CUDA is not lossless yet: verify rows are not bit-identical to "
+    "decode rows there, so greedy output can differ from plain decoding (docs/exactness.md)"
+)
+
+
 class Engine:
     def __init__(
         self,
@@ -136,6 +147,8 @@ class Engine:
             raise UserError(
                 f"max_num_batched_tokens must be at least 1, got {config.max_num_batched_tokens}"
             )
+        if proposer is not None and target.config["target"] == "cuda":
+            warnings.warn(CUDA_ROWS_DIFFER, stacklevel=3)
         if config.max_batch_size * (self.max_nodes + 1) > config.prefill_chunk_size:
             raise UserError(
                 f"a verify pass of max_batch_size {config.max_batch_size} x "

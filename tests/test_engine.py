@@ -4,6 +4,7 @@ stops inside an accepted run, chunked prefill, streaming, chat, bad input, no le
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -11,7 +12,10 @@ from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.errors import UserError
+from mlc_spec.runtime.engine import Engine
+from mlc_spec.runtime.params import EngineConfig, SpeculativeConfig
 from mlc_spec.runtime.prefill_costs import PrefillCosts
+from mlc_spec.runtime.proposers import build_proposer
 from mlc_spec.runtime.scheduler import MIN_TIMED_CHUNK
 from mlc_spec.runtime.speculation import CostTable
 
@@ -301,3 +305,23 @@ def test_interrupted_stream_frees_its_pages(tiny_llama):
     next(stream)
     stream.close()  # the caller stops listening half way
     _no_leak(llm)
+
+
+def test_speculation_on_cuda_warns_that_its_rows_differ(tiny_llama):
+    """CUDA verify rows are not bit-identical to decode rows (measured on an H200): a user who
+    speculates there is told that greedy output can differ; on the CPU nothing is said."""
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}, False)
+    llm = LLM(tiny_llama.artifact)
+    config = EngineConfig(max_batch_size=4)
+
+    def engine(model):
+        return Engine(
+            model, llm.tokenizer, config, build_proposer(spec, None, model, None, config), spec
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine(llm.model)
+    llm.model.config = {**llm.model.config, "target": "cuda"}
+    with pytest.warns(UserWarning, match="on CUDA is not lossless"):
+        engine(llm.model)
