@@ -89,7 +89,8 @@ mlc-spec against llama.cpp and llama-server on the CPU, written by the scripts i
 configuration and CPU class (`amd-avx512`: AMD Zen 4; `amd-avx2`: AVX2-only EPYC;
 `intel-avx512`: Xeon), newest first, each with the command that reproduces it. The serving
 features (prefix cache, prompt chunks, suffix decoding, structured output, replicas, the first
-run) are measured in [benchmarks-features.md](benchmarks-features.md). How these are measured:
+run) are measured in [benchmarks-features.md](benchmarks-features.md), the CUDA path on a lent
+GPU in [benchmarks-gpu.md](benchmarks-gpu.md). How these are measured:
 
 {_HOW_MEASURED}
 Earlier runs are in git (`git log -p docs/benchmarks.md`).""",
@@ -197,7 +198,24 @@ and command: compare only figures from one section.""",
     "fidelity of int8 activations against llama.cpp's own: docs/quantization.md "
     "(`scripts/bench_fidelity.py`).",
 )
-PAGES = (HEADLINE, FEATURES)
+GPU = Page(
+    REPO / "docs" / "benchmarks-gpu.md",
+    """# Benchmarks of the CUDA path
+
+The CUDA artifacts on a lent GPU (an H100 or H200, when a task is lent one): parity with
+transformers, whether verify rows equal decode rows, greedy speculation against plain decoding,
+and speed against the HBM roofline and transformers eager. Built here and run there as
+docs/gpu.md says; written by `scripts/gpu_check.py report` (nothing here is edited by hand).""",
+    (
+        Group(
+            None,
+            r"gpu_check",
+            1,
+            "`scripts/gpu_build.sh` here, `scripts/gpu_check.py run` there (docs/gpu.md)",
+        ),
+    ),
+)
+PAGES = (HEADLINE, FEATURES, GPU)
 
 
 def usable_cores() -> int:

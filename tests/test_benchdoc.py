@@ -35,7 +35,7 @@ def keys(path):
 
 
 def test_a_section_goes_to_the_page_that_claims_it(pages):
-    headline, features = pages
+    headline, features, gpu = pages
     benchdoc.write_section(headline.path, "bench_cpu-smollm2-as-source-int8-intel-avx512", "A")
     benchdoc.write_section(headline.path, "bench_suffix-qwen-intel-avx512", "B")
     benchdoc.write_section(features.path, "bench_serving-qwen-intel-avx512", "C")
@@ -44,12 +44,15 @@ def test_a_section_goes_to_the_page_that_claims_it(pages):
         "bench_serving-qwen-intel-avx512",
     ]
     assert keys(features.path) == ["bench_suffix-qwen-intel-avx512"]
+    benchdoc.write_section(headline.path, "gpu_check", "D")
+    assert keys(gpu.path) == ["gpu_check"]
+    assert "gpu_check" not in keys(headline.path)
     assert headline.path.read_text().startswith("# Benchmarks\n")
     assert "benchmarks-features.md" in headline.path.read_text()
 
 
 def test_a_group_keeps_its_newest_sections_and_rewrites_its_own(pages):
-    headline, _ = pages
+    headline, *_ = pages
     for cpu in ("amd-avx2", "amd-avx512", "intel-avx512"):
         benchdoc.write_section(headline.path, f"bench_cpu-smollm2-as-source-int8-{cpu}", cpu)
     benchdoc.write_section(headline.path, "bench_cpu-smollm2-as-source-int8-amd-avx512", "new")
@@ -61,7 +64,7 @@ def test_a_group_keeps_its_newest_sections_and_rewrites_its_own(pages):
 
 
 def test_an_unclaimed_key_goes_to_scratch(pages, tmp_path):
-    headline, _ = pages
+    headline, *_ = pages
     benchdoc.write_section(headline.path, "bench_ab-whatever", "X")
     assert not headline.path.exists()
     assert keys(tmp_path / "scratch" / "bench_ab-whatever.md") == ["bench_ab-whatever"]
