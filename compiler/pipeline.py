@@ -37,7 +37,7 @@ class _Guarded(ScheduleRule):
             return None
 
 
-def _schedule_rules(target: Target, unroll: bool) -> list[ScheduleRule]:
+def _schedule_rules(target: Target, unroll: bool = True) -> list[ScheduleRule]:
     if target.kind.name == "llvm":
         rules = [
             CPUMatmul(),
