@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from .quantization.plan import Quantize, layer_layouts, plan_quantization, requa
 from .sampler import attach_sampler
 from .sampling_defaults import sampling_defaults
 from .sources import ModelSource, load_source
+from .staging import staged
 from .targets import vector_features
 from .truncate import first_layers
 
@@ -101,11 +100,7 @@ def compile_model(
         )
     module = quantize_layers(module, layer_layouts(plan), Int8Matmul(tvm_target) if int8 else None)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged(out) as staging:
         _write_artifact(
             staging,
             Path(model),
@@ -119,10 +114,6 @@ def compile_model(
             sampling,
             progress,
         )
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     progress.write(f"wrote {out}")
     return out
 

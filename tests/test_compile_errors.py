@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,6 +78,36 @@ def test_existing_output_is_left_alone(checkpoint, tmp_path, capsys):
     code, message = _compile(capsys, str(checkpoint), "--target", "llvm", "-o", str(out))
     assert code != 0 and "already exists" in message
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_a_killed_compiles_leftovers_go_with_the_next_compile(tiny_llama, tmp_path, capsys):
+    """A compile killed outright leaves its staging directory behind; the next compile to the
+    same place removes it, but not one that a running compile is writing."""
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = tmp_path / f".out.partial-{finished.pid}"
+    running = tmp_path / f".out.partial-{os.getppid()}"
+    for staging in (dead, running):
+        staging.mkdir()
+        (staging / "params.safetensors").write_bytes(b"half")
+    args = [str(tiny_llama.checkpoint), "--target", "llvm", "-o", str(tmp_path / "out")]
+    assert _compile(capsys, *args)[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "out"]
+
+
+def test_a_terminated_compile_leaves_nothing(tiny_llama, tmp_path):
+    """SIGTERM (a service stopping, a timeout) mid-compile: exit status 143, no artifact and no
+    staging directory."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "mlc_spec.cli", "compile", str(tiny_llama.checkpoint)]
+    proc = subprocess.Popen([*command, "--target", "llvm", "-o", str(out)])
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.partial-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the compile ended before it could be terminated"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_model_path_from_the_shell(tmp_path):
