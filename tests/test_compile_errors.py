@@ -16,6 +16,7 @@ import pytest
 
 from mlc_spec.cli import build_parser, main
 from mlc_spec.compiler.options import CompileOptions
+from mlc_spec.compiler.staging import staged
 from mlc_spec.compiler.targets import ATTENTION, TARGETS
 from mlc_spec.runtime.artifact import ACTIVATIONS, CONFIG_FILE, ArtifactError, missing_cpu_features
 from mlc_spec.runtime.model import Model
@@ -80,7 +81,7 @@ def test_existing_output_is_left_alone(checkpoint, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_a_killed_compiles_leftovers_go_with_the_next_compile(tiny_llama, tmp_path, capsys):
+def test_a_killed_compiles_leftovers_go_with_the_next_compile(tmp_path):
     """A compile killed outright leaves its staging directory behind; the next compile to the
     same place removes it, but not one that a running compile is writing."""
     finished = subprocess.Popen(["true"])
@@ -90,23 +91,28 @@ def test_a_killed_compiles_leftovers_go_with_the_next_compile(tiny_llama, tmp_pa
     for staging in (dead, running):
         staging.mkdir()
         (staging / "params.safetensors").write_bytes(b"half")
-    args = [str(tiny_llama.checkpoint), "--target", "llvm", "-o", str(tmp_path / "out")]
-    assert _compile(capsys, *args)[0] == 0
+    with staged(tmp_path / "out") as staging:
+        (staging / "params.safetensors").write_bytes(b"whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "out"]
+    assert (tmp_path / "out" / "params.safetensors").read_bytes() == b"whole"
 
 
-def test_a_terminated_compile_leaves_nothing(tiny_llama, tmp_path):
-    """SIGTERM (a service stopping, a timeout) mid-compile: exit status 143, no artifact and no
-    staging directory."""
-    out = tmp_path / "out"
-    command = [sys.executable, "-m", "mlc_spec.cli", "compile", str(tiny_llama.checkpoint)]
-    proc = subprocess.Popen([*command, "--target", "llvm", "-o", str(out)])
-    deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.partial-*")) and time.monotonic() < deadline:
+def test_a_terminated_compile_leaves_nothing(tmp_path):
+    """SIGTERM (a service stopping, a timeout) while an artifact is written: exit status 143,
+    no artifact and no staging directory."""
+    script = (
+        "import sys, time; from pathlib import Path; "
+        "from mlc_spec.compiler.staging import staged\n"
+        "with staged(Path(sys.argv[1])) as staging:\n"
+        "    (staging / 'model.so').write_bytes(b'half')\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "out")])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.partial-*/model.so")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert proc.poll() is None, "the compile ended before it could be terminated"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    assert proc.wait(timeout=30) == 143
     assert list(tmp_path.iterdir()) == []
 
 
