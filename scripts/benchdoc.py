@@ -205,13 +205,14 @@ GPU = Page(
 The CUDA artifacts on a lent GPU (an H100 or H200, when a task is lent one): parity with
 transformers, whether verify rows equal decode rows, greedy speculation against plain decoding,
 and speed against the HBM roofline and transformers eager. Built here and run there as
-docs/gpu.md says; written by `scripts/gpu_check.py report` (nothing here is edited by hand).""",
+docs/gpu.md says; written by `scripts/gpu_report.py` (nothing here is edited by hand).""",
     (
         Group(
             None,
             r"gpu_check",
             1,
-            "`scripts/gpu_build.sh` here, `scripts/gpu_check.py run` there (docs/gpu.md)",
+            "`scripts/gpu_build.sh` here, `scripts/gpu_check.py` there, `scripts/gpu_report.py` "
+            "here (docs/gpu.md)",
         ),
     ),
 )
