@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import tvm
@@ -67,9 +68,32 @@ def cuda_device(target_spec: str) -> tvm.runtime.Device:
             f"({dev.device_name}) is {gpu_arch}; compile it with --cuda-arch {gpu_arch}"
         )
     tvm_ffi.register_global_func(
-        "tvm_callback_cuda_compile", lambda code, *_: compile_kernels(code, gpu_arch), override=True
+        "tvm_callback_cuda_compile", compile_callback(gpu_arch), override=True
     )
     return dev
+
+
+def compile_callback(gpu_arch: str) -> Callable[..., bytes]:
+    """TVM's compile callback: for the GPU found when an artifact loads, or, where a full TVM
+    compiles for a CUDA target in the same process later, for that target's architecture."""
+
+    def compile_cuda(code: str, *_: object) -> bytes:
+        return compile_kernels(code, _compiling_for() or gpu_arch)
+
+    return compile_cuda
+
+
+def _compiling_for() -> str | None:
+    """The architecture of the CUDA target TVM is compiling for, if any: none when a library
+    loads, nor ever with the runtime-only TVM, which cannot read the current target."""
+    try:
+        from tvm.target import Target
+
+        target = Target.current(allow_none=True)
+    except (AttributeError, ImportError):  # the runtime-only TVM has no TargetCurrent
+        return None
+    arch = getattr(target, "arch", None) if target is not None else None
+    return arch if isinstance(arch, str) and _SM.fullmatch(arch) else None
 
 
 def runs_on(built_for: str, gpu_arch: str) -> bool:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import tvm
 
+from mlc_spec.runtime import cuda_kernels
 from mlc_spec.runtime.artifact import ArtifactError
 from mlc_spec.runtime.cuda_kernels import compile_kernels, runs_on
 
@@ -54,3 +56,15 @@ def test_nvcc_errors_name_the_cause(tmp_path, monkeypatch):
     with pytest.raises(ArtifactError, match="nvcc failed.*undefined_name"):
         compile_kernels(KERNEL.replace("1.0f", "undefined_name"), "sm_90")
     assert not list((tmp_path / "cuda-kernels").glob("*"))
+
+
+def test_kernels_compile_for_the_gpu_unless_tvm_compiles_for_a_target(monkeypatch):
+    """Loading an artifact compiles for the GPU found; a full TVM compiling for a CUDA target in
+    the same process afterwards still gets that target's architecture."""
+    seen = []
+    monkeypatch.setattr(cuda_kernels, "compile_kernels", lambda code, arch: seen.append(arch))
+    compile_cuda = cuda_kernels.compile_callback("sm_90")
+    compile_cuda(KERNEL)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_80"}):
+        compile_cuda(KERNEL)
+    assert seen == ["sm_90", "sm_80"]
