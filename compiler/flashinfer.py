@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mlc_spec.models import ModelConfig
+from mlc_spec.runtime.cuda_kernels import CUDA_ARCH
 
 from .errors import CompileError
 from .pypi_models import default_cache_dir
@@ -48,7 +49,6 @@ _GENERATORS = ("gen_customize_batch_prefill_module", "gen_customize_batch_decode
 # The CTA_TILE_Q cases of DISPATCH_CTA_TILE_Q (include/flashinfer/utils.cuh).
 _DISPATCHED_CTA_TILES = (16, 32, 64, 128)
 _INSTANCE = re.compile(r"template cudaError_t [^;]*?/\*CTA_TILE_Q=\*/(\d+)[^;]*;")
-_SM = re.compile(r"sm_(\d+)(\d)([a-z]?)")
 _PLAN = r"(Array<int64_t> BatchPrefillWithKVCachePlan\([^)]*?), int64_t uniform_q_len"
 _PLAN_DEFINITION = re.compile(_PLAN + r" = 0\) \{")
 _PLAN_DECLARATION = re.compile(_PLAN + r"\);")
@@ -148,7 +148,7 @@ def _cuda_home() -> Path:
 
 def _parse_sm(cuda_arch: str) -> tuple[int, int, str]:
     """``sm_90a`` -> (9, 0, "a")."""
-    match = _SM.fullmatch(cuda_arch)
+    match = CUDA_ARCH.fullmatch(cuda_arch)
     if match is None:
         raise CompileError(f"cannot read CUDA architecture {cuda_arch!r}; expected e.g. sm_90")
     return int(match[1]), int(match[2]), match[3]

@@ -44,7 +44,8 @@ NVCC_FLAGS = (
     "--use_fast_math",
     "--ptxas-options=--register-usage-level=10",
 )
-_SM = re.compile(r"sm_(\d+)(\d)(a?)")
+# sm_90 -> major 9, minor 0; a letter (sm_90a) marks code for that architecture alone.
+CUDA_ARCH = re.compile(r"sm_(\d+)(\d)([a-z]?)")
 
 
 def cuda_device(target_spec: str) -> tvm.runtime.Device:
@@ -61,7 +62,7 @@ def cuda_device(target_spec: str) -> tvm.runtime.Device:
     if not dev.exist:
         raise ArtifactError(no_gpu)
     gpu_arch = "sm_" + dev.compute_version.replace(".", "")
-    built_for = _SM.search(target_spec)
+    built_for = CUDA_ARCH.search(target_spec)
     if built_for and not runs_on(built_for.group(0), gpu_arch):
         raise ArtifactError(
             f"this artifact was compiled for {built_for.group(0)}, but this GPU "
@@ -93,13 +94,13 @@ def _compiling_for() -> str | None:
     except (AttributeError, ImportError):  # the runtime-only TVM has no TargetCurrent
         return None
     arch = getattr(target, "arch", None) if target is not None else None
-    return arch if isinstance(arch, str) and _SM.fullmatch(arch) else None
+    return arch if isinstance(arch, str) and CUDA_ARCH.fullmatch(arch) else None
 
 
 def runs_on(built_for: str, gpu_arch: str) -> bool:
     """Whether machine code for ``built_for`` runs on a GPU of ``gpu_arch``: the same major
-    version and no newer minor one; an ``a`` architecture (sm_90a) only on itself."""
-    built, gpu = _SM.fullmatch(built_for), _SM.fullmatch(gpu_arch)
+    version and no newer minor one; a lettered architecture (sm_90a) only on itself."""
+    built, gpu = CUDA_ARCH.fullmatch(built_for), CUDA_ARCH.fullmatch(gpu_arch)
     if built is None or gpu is None:
         raise ValueError(f"cannot read CUDA architectures {built_for!r}, {gpu_arch!r}")
     if built.group(3):
@@ -124,11 +125,12 @@ def compile_kernels(code: str, arch: str) -> bytes:
         )
         if done.returncode != 0:
             raise ArtifactError(f"nvcc failed on this artifact's kernels: {done.stderr[-2000:]}")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staged = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(out, staged)
-        staged.replace(cached)  # atomic: a concurrent load reads a whole file or none
-    return cached.read_bytes()
+        fatbin = out.read_bytes()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staged = cached.with_suffix(f".{os.getpid()}.tmp")
+    staged.write_bytes(fatbin)
+    staged.replace(cached)  # atomic: a concurrent load reads a whole file or none
+    return fatbin
 
 
 def _nvcc() -> str:
