@@ -57,12 +57,11 @@ def render(data: dict) -> str:
 
 
 def _parity_table(ok: dict) -> list[str]:
-    runs = {k.removeprefix("parity "): v for k, v in ok.items() if k.startswith("parity ")}
+    runs = _runs(ok, "parity")
     if not runs:
         return []
-    checks = [
-        c for c in next(iter(runs.values())) if not isinstance(next(iter(runs.values()))[c], bool)
-    ]
+    first = next(iter(runs.values()))
+    checks = [c for c, v in first.items() if not isinstance(v, bool)]
     lines = [
         "**Parity with transformers** (float32 reference on the GPU, same weights): max error "
         "/ max |logit|, argmax agreement.",
@@ -78,7 +77,7 @@ def _parity_table(ok: dict) -> list[str]:
 
 
 def _exactness_table(ok: dict) -> list[str]:
-    runs = {k.removeprefix("exactness "): v for k, v in ok.items() if k.startswith("exactness ")}
+    runs = _runs(ok, "exactness")
     if not runs:
         return []
     lines = [
@@ -101,9 +100,7 @@ def _exactness_table(ok: dict) -> list[str]:
 
 
 def _speculation_table(ok: dict) -> list[str]:
-    runs = {
-        k.removeprefix("speculation "): v for k, v in ok.items() if k.startswith("speculation ")
-    }
+    runs = _runs(ok, "speculation")
     if not runs:
         return []
     cols = list(next(iter(runs.values())))
@@ -126,7 +123,7 @@ def _speculation_table(ok: dict) -> list[str]:
 
 
 def _speed_table(ok: dict, gpu: str, settings: dict) -> list[str]:
-    runs = {k.removeprefix("speed "): v for k, v in ok.items() if k.startswith("speed ")}
+    runs = _runs(ok, "speed")
     if not runs:
         return []
     peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in gpu), None)
@@ -203,6 +200,11 @@ def _misc(ok: dict) -> list[str]:
     if arch:
         lines += [f"**An artifact for sm_100 on this GPU:** `{arch['error']}`", ""]
     return lines
+
+
+def _runs(ok: dict, kind: str) -> dict:
+    """The sections of one kind of check, by artifact: ``parity tiny-llama-tir`` -> ..."""
+    return {k.removeprefix(f"{kind} "): v for k, v in ok.items() if k.startswith(f"{kind} ")}
 
 
 def _yes(flag: bool | None) -> str:
