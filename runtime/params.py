@@ -252,16 +252,15 @@ class EngineConfig:
     # a step while a 2,000-token prompt is prefilled (512: ~45x; 16: ~2.6x, the prompt's first
     # token ~1.6x later than with 512; docs/benchmarks.md).
     max_num_batched_tokens: int = 64
-    # ... and in time: a chunk predicted to take at most this multiple of the decoding rows'
-    # plain step per waiting prompt (both measured in this process, runtime/prefill_costs.py),
-    # so their steps take at most about (1 + this) times as long while a long prompt is
-    # prefilled, whatever its context; at least MIN_TIMED_CHUNK tokens, so prompts still
-    # advance. None: tokens only.
-    # SmolLM2 int8 on 2 cores, 8 streams that outlast a 2,000-token prompt: 0.5 kept the
-    # streams' p99 gap at 2.9x their median alone over the same tokens (tokens alone: 7.5x),
-    # the prompt's first token 3x later (docs/benchmarks-features.md); there MIN_TIMED_CHUNK
-    # sizes the chunks, not this ratio.
-    chunk_time_ratio: float | None = 0.5
+    # ... and in time: a chunk that adds at most this multiple of the decoding rows' plain step
+    # per waiting prompt, as measured in this process (runtime/chunk_sizer.py), so their steps
+    # take about (1 + this) times as long while a long prompt is prefilled, whatever its
+    # context; at least a token, so prompts still advance. None: tokens only. Lower keeps the
+    # streams smoother and makes the prompt wait longer for its first token: SmolLM2 int8 on 2
+    # cores, 8 streams beside a 2,000-token prompt, 0.5 / 0.75 / 1 kept their median gap at
+    # 1.4 / 1.7 / 2.0x alone, and the prompt's first token came after 22 / 14 / 8 s
+    # (docs/benchmarks-features.md).
+    chunk_time_ratio: float | None = 0.75
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).
     enable_prefix_caching: bool = True

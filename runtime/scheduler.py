@@ -25,11 +25,11 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
+from .chunk_sizer import ChunkSizer
 from .kv_cache import PagedKVCache
 from .metrics import SpeculationLog, StepRecord
 from .model import chunk_rounds
 from .params import EngineConfig, SamplingParams, SpeculativeConfig
-from .prefill_costs import PrefillCosts
 from .proposers import Proposer
 from .request import Request, Sequence, Status
 from .speculation import (
@@ -50,16 +50,12 @@ FORK_PAGE_SLACK = 1
 FIRST_STEP_PAGES = 1
 # What a sequence may need beyond ``pages(its tokens)`` from admission to its end.
 SEQUENCE_PAGE_SLACK = FORK_PAGE_SLACK + FIRST_STEP_PAGES
-# The smallest chunk a time budget leaves a prompt beside decoding rows, and the chunk before
-# any was measured (the whole token budget, 56 tokens, made one step 3.5x its streams' gap):
-# deep into a very long prompt a token can cost a fifth of a step, and the prompt must still
-# finish. This floor, not the time ratio, sizes the chunks beside 8 SmolLM2 int8 streams on 2
-# cores: a chunk's rows cost about what decoding rows do, so 8 tokens about double the step
-# (docs/benchmarks-features.md: ratios 0.5 and 1 read the same). A floor of 4 or 2 halved the
-# chunks' toll on the streams' median gap at most, and made a 2,000-token prompt wait 2-3.4x
-# longer for its first token (the probes' figures: the messages of commit 51dfebc and of the
-# commit that wrote this sentence).
-MIN_TIMED_CHUNK = 8
+# Every this many steps in a row that carry a chunk, one goes without: a chunk's cost is what its
+# step took beyond the plain step of its decoding rows, and only plain steps measure that, at the
+# rows' growing contexts. Without them the plain step stayed at its last measurement while 8
+# SmolLM2 streams' contexts grew by hundreds of tokens; their added attention was booked to the
+# chunk, the chunk shrank to a token, and a 2,000-token prompt waited 30 s for its first token.
+PLAIN_EVERY = 16
 
 
 def pages(num_tokens: int, page_size: int) -> int:
@@ -75,6 +71,8 @@ class PrefillWork:
     restored: list[tuple[Sequence, list[int]]]
     fresh: list[tuple[Sequence, list[int]]]
     completes: list[bool]
+    # Seconds the chunk may add to the decoding rows' plain step it rides in (None: no bound).
+    allowance: float | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -90,7 +88,7 @@ class PrefillWork:
         restored = [(s, t) for s, t in self.restored if s.in_cache]
         if not (fresh or restored):
             return None
-        return PrefillWork(restored, [f for f, _ in fresh], [c for _, c in fresh])
+        return PrefillWork(restored, [f for f, _ in fresh], [c for _, c in fresh], self.allowance)
 
 
 @dataclasses.dataclass
@@ -153,9 +151,10 @@ class Scheduler:
         self.costs = costs
         self.policy = GoodputPolicy()
         self.speculation_log = SpeculationLog()
-        # What a chunk in a plain step's pass added to it, for the chunk budget in time (which
-        # reads plain steps by rows from ``costs.decode``).
-        self.prefill_costs = PrefillCosts()
+        # The chunk budget in time, from what chunks added to plain steps (which it reads by
+        # rows from ``costs.decode``).
+        self.chunk_sizer = ChunkSizer()
+        self._chunks_in_a_row = 0  # plain steps that carried a chunk since one went without
         # Counters a server reports.
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache as sequences enter
@@ -190,7 +189,7 @@ class Scheduler:
         admitted = self._enter([r for r in ahead if r.status == Status.RUNNING])  # not aborted
         admitted += self._enter(self._admit(self.kv.available_pages() - self._prefill_reserve()))
         cached = self.prefix_cache_hits - hits
-        prefill, step, preempted = self._plan_prefill(self._chunk_budget()), None, []
+        prefill, step, preempted = self._plan_prefill(*self._chunk_budget()), None, []
         if prefill is None or not any(prefill.completes):
             chunk_waits = prefill is not None and not prefill.restored
             step, preempted = self._plan_step(chunk_waits)
@@ -198,8 +197,15 @@ class Scheduler:
                 prefill = prefill.in_cache()
         plain = step is not None and step.seqs and not any(step.num_draft)
         if plain and prefill is not None and not prefill.restored:
-            step.chunk, prefill = prefill, None  # the chunk rides in the plain step's pass
+            if self._plain_is_stale():
+                prefill = None  # this step measures its rows' plain step; the prompt waits
+            else:
+                step.chunk, prefill = prefill, None  # the chunk rides in the plain step's pass
         return SchedulerOutput(admitted, cached, preempted, prefill, step)
+
+    def _plain_is_stale(self) -> bool:
+        """Whether ``PLAIN_EVERY`` steps in a row carried a chunk bounded in time."""
+        return self.config.chunk_time_ratio is not None and self._chunks_in_a_row >= PLAIN_EVERY
 
     def admit_ahead(self, free_pages: int, most_pages: int) -> None:
         """While a step runs, admit the requests that fit even if it takes ``most_pages`` of
@@ -305,34 +311,33 @@ class Scheduler:
             for s in self._prefilling()
         )
 
-    def _chunk_budget(self) -> int:
+    def _chunk_budget(self) -> tuple[int, float | None]:
         """Prompt tokens this step's prefill pass may take: a whole pass's worth with nothing
         decoding, else the step's token budget less a token per decoding sequence (their drafts
         are chosen later; the budget bounds the prefill, not the verify pass), at least a page
-        so prompts always advance; and no more than ``chunk_time_ratio`` times the decoding
-        rows' plain step (at their contexts) per waiting prompt is predicted to hold, at the
-        first waiting prompt's context (``MIN_TIMED_CHUNK`` before any chunk was measured)."""
+        so prompts always advance; and what ``chunk_sizer`` says fits in ``chunk_time_ratio``
+        times the decoding rows' plain step (at their contexts) per waiting prompt, the
+        allowance (seconds) returned beside the tokens."""
         decoding = self._decoding()
         if not decoding:
-            return self.config.prefill_chunk_size
+            return self.config.prefill_chunk_size, None
         budget = self.config.max_num_batched_tokens - len(decoding)
         budget = min(self.config.prefill_chunk_size, max(self.page_size, budget))
         ratio = self.config.chunk_time_ratio
         plain = self.costs.plain([s.kv_len for s in decoding])
         prefilling = self._prefilling()
         if ratio is None or plain is None or not prefilling:
-            return budget
+            return budget, None
         # Each waiting prompt may add the ratio's time: a prompt at a time would cap the batch.
         # At 8 tokens a step a 150-token prompt takes ~19 steps, so a closed loop of 16
         # clients with 128-token answers kept ~7 rows decoding (SmolLM2 int8: 0.85x the
         # throughput of a token budget alone, and TTFT 2.8x); one prompt waiting is as before.
         allowance = len(prefilling) * ratio * plain
-        most = self.prefill_costs.most_tokens(prefilling[0].kv_len, allowance)
-        return min(budget, MIN_TIMED_CHUNK if most is None else max(MIN_TIMED_CHUNK, most))
+        return min(budget, self.chunk_sizer.size()), allowance
 
-    def _plan_prefill(self, budget: int) -> PrefillWork | None:
+    def _plan_prefill(self, budget: int, allowance: float | None) -> PrefillWork | None:
         """The next prefill pass: up to ``budget`` pending prompt (or history) tokens, first
-        come first served."""
+        come first served; ``allowance``: what it may add to a plain step it rides in."""
         seqs = self._prefilling()
         if not seqs:
             return None
@@ -344,6 +349,7 @@ class Scheduler:
             [(s, t) for s, t in chunked if s.num_output],
             fresh,
             [s.kv_len + len(t) == s.num_prompt for s, t in fresh],
+            allowance,
         )
 
     def plain_step_ran(self, plan: StepPlan, seconds: float) -> None:
@@ -353,10 +359,13 @@ class Scheduler:
         rows = len(plan.seqs)
         if plan.chunk is None:
             self.costs.observe_target(rows, rows, seconds, Attended.of(plan.contexts))
+            self._chunks_in_a_row = 0
             return
-        plain = self.costs.plain(plan.contexts)
-        if plain is not None:
-            self.prefill_costs.observe(plan.chunk.chunks(), seconds - plain)
+        self._chunks_in_a_row += 1
+        plain, allowance = self.costs.plain(plan.contexts), plan.chunk.allowance
+        if plain is not None and allowance is not None:
+            tokens = sum(n for _, n in plan.chunk.chunks())
+            self.chunk_sizer.ran(tokens, seconds - plain, allowance)
 
     def prefilled(self, work: PrefillWork) -> None:
         """A prefill pass ran: its sequences' KV grew, and each finished prompt (or history)

@@ -12,11 +12,11 @@ from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.errors import UserError
+from mlc_spec.runtime.chunk_sizer import FIRST_CHUNK
 from mlc_spec.runtime.engine import Engine
 from mlc_spec.runtime.params import EngineConfig, SpeculativeConfig
-from mlc_spec.runtime.prefill_costs import PrefillCosts
 from mlc_spec.runtime.proposers import build_proposer
-from mlc_spec.runtime.scheduler import MIN_TIMED_CHUNK
+from mlc_spec.runtime.scheduler import PLAIN_EVERY
 from mlc_spec.runtime.speculation import CostTable
 
 PROMPTS = [[5, 9, 14, 3, 77], list(range(40, 75)), [200, 201, 202] * 4]
@@ -190,40 +190,48 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
 
 
 def test_a_chunk_is_also_bounded_in_time(tiny_llama):
-    """With a time ratio the chunk beside decoding rows is what the measured costs say fits in
-    that multiple of their plain step for each prompt waiting, at the first waiting prompt's
-    context (never fewer than MIN_TIMED_CHUNK tokens, and that many before any chunk was
-    measured); outputs are those of whole-prompt passes."""
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    """With a time ratio the chunk beside decoding rows takes what the chunk sizer says
+    (``FIRST_CHUNK`` before any chunk was measured), allowed that multiple of the rows' plain
+    step per waiting prompt, and every ``PLAIN_EVERY`` steps in a row that carried a chunk one
+    goes without, measuring the rows' plain step at their contexts; outputs are those of
+    whole-prompt passes."""
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, logprobs=1)
     rng = np.random.default_rng(6)
     long_prompts = [list(rng.integers(3, VOCAB, 200)) for _ in range(2)]
     llm = LLM(tiny_llama.artifact, max_num_batched_tokens=64, chunk_time_ratio=1.0)
     engine, scheduler = llm.engine, llm.engine.scheduler
+    chunks = []  # tokens of the chunk in each plain step, None without one
+    ran = scheduler.plain_step_ran
+
+    def spy(plan, seconds):
+        chunks.append(None if plan.chunk is None else sum(n for _, n in plan.chunk.chunks()))
+        ran(plan, seconds)
+
+    scheduler.plain_step_ran = spy
     streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
     while not all(s.prefilled for r in streams for s in r.sequences):
         engine.step()
     engine.step()  # a plain step of the two streams: measured by rows
     late, later = (engine.add_request(p, params) for p in long_prompts)
-    engine.step()  # admitted, the first chunk computed in the streams' pass: measured too
-    assert late.sequences[0].kv_len == MIN_TIMED_CHUNK  # before any chunk was measured
-    assert scheduler.costs.decode.predict(2) is not None and scheduler.prefill_costs.fit()
-    # Costs as measured on a slow machine: 10 ms a plain step of 2 rows, a prompt token
-    # 0.3 ms plus 1 us per token of context.
-    scheduler.costs.decode = CostTable({2: 0.010})
-    scheduler.prefill_costs = PrefillCosts()
-    for context, tokens in ((0, 64), (64, 64), (1000, 32), (3000, 16)):
-        cost = tokens * (3e-4 + 1e-6 * (context + tokens / 2))
-        scheduler.prefill_costs.observe([(context, tokens)], cost)
-    context = late.sequences[0].kv_len
-    # Two prompts wait: each may add the ratio's time, so a queue of prompts is not starved.
-    most = scheduler.prefill_costs.most_tokens(context, 2 * 0.010)
-    assert scheduler._chunk_budget() == min(62, max(MIN_TIMED_CHUNK, most))
+    chunks.clear()
+    engine.step()  # admitted, the first chunk computed in the streams' pass (timed)
+    assert chunks == [FIRST_CHUNK] and late.sequences[0].kv_len == FIRST_CHUNK
+    scheduler.costs.decode = CostTable({2: 0.010})  # a plain step of 2 rows: 10 ms
+    size = scheduler.chunk_sizer.size()
+    assert scheduler._chunk_budget() == (size, 2 * 0.010)  # each waiting prompt: the ratio's
     engine.abort(later.request_id)
-    most = scheduler.prefill_costs.most_tokens(context, 0.010)
-    assert scheduler._chunk_budget() == min(62, max(MIN_TIMED_CHUNK, most)) < 62
+    assert scheduler._chunk_budget() == (size, 0.010)
     scheduler.config = dataclasses.replace(scheduler.config, chunk_time_ratio=None)
-    assert scheduler._chunk_budget() == 62  # 64 less the two streams' tokens
+    assert scheduler._chunk_budget() == (62, None)  # 64 less the two streams' tokens
     scheduler.config = dataclasses.replace(scheduler.config, chunk_time_ratio=1.0)
+    scheduler.chunk_sizer.size = lambda: 4  # chunks that take the prompt many steps
+    while not late.sequences[0].num_output:
+        engine.step()
+    # The first chunk's 8 tokens, 188 in 47 chunks of 4, the last 4 in a pass of their own (it
+    # completes the prompt: no plain step); after every PLAIN_EVERY chunks a plain step.
+    runs = " ".join(map(str, chunks)).split(" None ")
+    assert sum(filter(None, chunks)) == 196 and len(runs) == 48 // PLAIN_EVERY
+    assert all(len(r.split()) == PLAIN_EVERY for r in runs)
     while engine.has_unfinished():
         engine.step()
     whole = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1], long_prompts[0]], params)

@@ -402,10 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk-time-ratio",
         type=float,
-        default=0.5,
-        help="and in time: a chunk predicted (from this server's measured passes) to take at "
-        "most this multiple of the decoding requests' plain step, at any context (default "
-        "0.5: their steps take about 1.5 times as long); 0: tokens only",
+        default=0.75,
+        help="and in time: a chunk that adds at most this multiple of the decoding requests' "
+        "plain step (as measured in this server), at any context (default 0.75: their steps "
+        "take about 1.75 times as long while a long prompt is prefilled; lower: smoother "
+        "streams, the prompt's first token later); 0: tokens only",
     )
     p.add_argument(
         "--replicas",
