@@ -435,7 +435,9 @@ class Scheduler:
         return [pinned] if pinned is not None else list(self.proposers)
 
     def _estimate(self, seq: Sequence, method: str) -> float:
-        return self.acceptance[method].estimate(seq.seq_id)
+        """With the proposer's own chance from its latest lookup (``available``), if any."""
+        chance = self.proposers[method].chance(seq)
+        return self.acceptance[method].estimate(seq.seq_id, chance)
 
     def _candidate(self, seq: Sequence, method: str, cap: int, automatic: bool) -> Candidate:
         """``seq`` drafting with ``method``'s proposer, up to what it has to offer."""

@@ -11,6 +11,7 @@ import pytest
 from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
+from mlc_spec.runtime.proposers.suffix import COPY_MATCH
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -93,11 +94,9 @@ def test_ngram_is_lossless(target, reference, k):
 
 @pytest.mark.parametrize("k", [2, 5, "auto"])
 def test_suffix_is_lossless_and_drafts_from_earlier_outputs(target, reference, k):
-    """With a fixed k the second round drafts each answer from its earlier copy. With k auto
-    the policy decides from measured costs whether drafting pays on this tiny model, where a
-    pass costs about the same with or without drafts: after the first round's drafts from the
-    prompts were rejected it may wait out the whole second round before trying again (its
-    tries come back every ~75 steps), so only the output is pinned there."""
+    """The second round drafts each answer from its earlier copy, with k auto too: the copy's
+    statistics price those drafts, not the engine-wide rate that the first round's rejected
+    drafts from the prompts brought down."""
     llm = LLM(target.artifact, speculative={"method": "suffix", "num_speculative_tokens": k})
     assert _token_ids(llm, _prompts()) == reference
     first = llm.metrics()
@@ -106,10 +105,33 @@ def test_suffix_is_lossless_and_drafts_from_earlier_outputs(target, reference, k
     assert _token_ids(llm, _prompts()) == reference
     again = llm.metrics()
     accepted = again["num_accepted_tokens"] - first["num_accepted_tokens"]
-    if k != "auto":
-        assert accepted > first["num_accepted_tokens"]
+    assert accepted > first["num_accepted_tokens"]
     assert again["suffix_cache"]["documents"] == len(reference)  # equal answers: not twice
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
+def test_a_repeated_answer_is_priced_by_its_earlier_copy(target, reference):
+    """Once other drafts were rejected the engine-wide rate is low; a request repeating an
+    earlier answer is priced by that answer's statistics (a chance of 1), not by the rate."""
+    llm = LLM(target.artifact, speculative={"method": "suffix", "num_speculative_tokens": "auto"})
+    prompt = _prompts()[3]
+    assert _token_ids(llm, [prompt]) == [reference[3]]
+    scheduler = llm.engine.scheduler
+    acceptance = scheduler.acceptance["suffix"]
+    for other in range(1000, 1060):
+        acceptance.observe(other, proposed=4, accepted=0, estimate=0.5)
+    # Pinned to no drafts while it gets there, so that it has no acceptance of its own yet.
+    plain = dataclasses.replace(GREEDY, num_speculative_tokens=0)
+    request = llm.engine.add_request(prompt, plain)
+    seq = request.sequences[0]
+    while seq.num_output < COPY_MATCH:
+        llm.engine.step()
+    candidate = scheduler._candidate(seq, "suffix", 6, automatic=True)
+    assert candidate.cap == 6 and scheduler.proposers["suffix"].chance(seq) == 1.0
+    assert candidate.acceptance == 1.0 and acceptance.estimate(seq.seq_id) < 0.3
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert request.output(delta=False).outputs[0].token_ids == reference[3]
 
 
 def test_draft_equal_to_target_accepts_everything(target, reference):

@@ -3,9 +3,13 @@ documents, through appends in pieces, removals, and the shared cache's memory bo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from mlc_spec.runtime.proposers.suffix import COPY_MATCH, SuffixProposer
+from mlc_spec.runtime.speculation import AcceptanceEstimator
 from mlc_spec.runtime.suffix_cache import SuffixCache, SuffixTree
 
 
@@ -100,6 +104,35 @@ def test_a_repeated_answer_is_drafted_whole():
     # Matching all 20 leaves 11 tokens of the tree's depth of 32; 16 matched leave the 16 asked.
     assert tokens.tolist() == answer[20:36]
     assert probs.tolist() == [1.0] * 16 and match == 16
+
+
+def test_a_reply_repeating_an_earlier_output_is_priced_by_its_statistics():
+    """Drafts that follow an earlier output over COPY_MATCH tokens or more carry that output's
+    chance (1 for an exact copy), which the policy's estimate takes as the sequence's prior in
+    place of the engine-wide rate; shorter matches and the request's own text carry none."""
+    proposer = SuffixProposer(32, 1.0, 0.1, 1 << 20)
+    answer = list(range(100, 140))
+
+    def seq(seq_id, tokens):
+        return SimpleNamespace(
+            seq_id=seq_id, tokens=tokens, num_prompt=3, finished=True, finish_reason="length"
+        )
+
+    done = seq(0, [1, 2, 3, *answer])
+    assert proposer.available(done, 8) == 0 and proposer.chance(done) is None
+    proposer.remove(done)  # its output goes into the shared cache
+    again = seq(1, [4, 5, 6, *answer[:COPY_MATCH]])
+    assert proposer.available(again, 8) == 8 and proposer.chance(again) == 1.0
+    short = seq(2, [4, 5, 6, *answer[: COPY_MATCH - 1]])
+    assert proposer.available(short, 8) > 0 and proposer.chance(short) is None
+    own = seq(3, [7, 8, 9, 10, 7, 8, 9])  # a match in its own text
+    assert proposer.available(own, 8) > 0 and proposer.chance(own) is None
+    acceptance = AcceptanceEstimator()
+    for other in range(10, 20):  # other sequences' drafts rejected
+        acceptance.observe(other, proposed=4, accepted=0, estimate=0.5)
+    assert acceptance.estimate(1) < 0.7 and acceptance.estimate(1, prior=1.0) == 1.0
+    acceptance.observe(1, proposed=4, accepted=1, estimate=1.0)  # its own evidence counts
+    assert acceptance.estimate(1, prior=1.0) == (1 + 2) / (1 + 1 + 2)
 
 
 def test_cache_keeps_within_its_bound_and_evicts_the_least_recently_used():

@@ -54,6 +54,11 @@ class Proposer(abc.ABC):
         policy plan with what a free proposer has to offer."""
         return k
 
+    def chance(self, seq: Sequence) -> float | None:
+        """The proposer's own estimate of the acceptance of the drafts ``available`` found for
+        ``seq`` (None: none; the policy learns it from verified drafts alone)."""
+        return None
+
     def catch_up(self, seq: Sequence) -> int:
         """Tokens a draft model reads for ``seq`` before drafting (none without a model)."""
         return 0

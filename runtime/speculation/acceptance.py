@@ -62,9 +62,13 @@ class AcceptanceEstimator:
         """Engine-wide acceptance, pooled over positions, with ``OPTIMISM`` phantom acceptances."""
         return (sum(self.accepted) + OPTIMISM) / (sum(self.tested) + OPTIMISM)
 
-    def estimate(self, seq_id: int) -> float:
+    def estimate(self, seq_id: int, prior: float | None = None) -> float:
+        """The sequence's own counts against a prior worth ``PRIOR_WEIGHT`` draft tokens: the
+        proposer's own estimate for its drafts where it has one (suffix decoding's match
+        statistics), else the engine-wide rate."""
         accepted, rejected = self._own.get(seq_id, (0.0, 0.0))
-        return (accepted + PRIOR_WEIGHT * self.prior()) / (accepted + rejected + PRIOR_WEIGHT)
+        prior = self.prior() if prior is None else prior
+        return (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
 
     def per_position(self) -> list[float]:
         """Engine-wide acceptance of position j given positions before it were accepted."""
