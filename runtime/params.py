@@ -257,9 +257,9 @@ class EngineConfig:
     # take about (1 + this) times as long while a long prompt is prefilled, whatever its
     # context; at least a token, so prompts still advance. None: tokens only. Lower keeps the
     # streams smoother and makes the prompt wait longer for its first token: SmolLM2 int8 on 2
-    # cores, 8 streams beside a 2,000-token prompt, 0.5 / 0.75 / 1 kept their median gap at
-    # 1.4 / 1.7 / 2.0x alone, and the prompt's first token came after 22 / 14 / 8 s
-    # (docs/benchmarks-features.md).
+    # cores, 8 streams beside a 2,000-token prompt: 0.5 / 0.75 / 1 kept their time per output
+    # token (p99) at 1.4 / 1.65 / 2.0x alone, and the prompt's first token came after 24 / 15 /
+    # 9 s (docs/benchmarks-features.md).
     chunk_time_ratio: float | None = 0.75
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).
