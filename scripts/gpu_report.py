@@ -56,47 +56,52 @@ def render(data: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _table(title: str, head: list[str], rows: list[list[str]]) -> list[str]:
+    """A titled markdown table, one column per cell of ``head``, and a blank line after."""
+    lines = [title, "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    return [*lines, *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
 def _parity_table(ok: dict) -> list[str]:
     runs = _runs(ok, "parity")
     if not runs:
         return []
     first = next(iter(runs.values()))
     checks = [c for c, v in first.items() if not isinstance(v, bool)]
-    lines = [
+    rows = []
+    for name, r in runs.items():
+        same = next((v for v in r.values() if isinstance(v, bool)), None)
+        cells = [f"{r[c]['rel_err']:.1e} ({r[c]['argmax']:.0%})" for c in checks]
+        rows.append([name, *cells, _yes(same)])
+    return _table(
         "**Parity with transformers** (float32 reference on the GPU, same weights): max error "
         "/ max |logit|, argmax agreement.",
-        "",
-        "| artifact | " + " | ".join(checks) + " | popn, verify again: same bits |",
-        "|---" * (len(checks) + 2) + "|",
-    ]
-    for name, r in runs.items():
-        cells = [f"{r[c]['rel_err']:.1e} ({r[c]['argmax']:.0%})" for c in checks]
-        same = next((v for v in r.values() if isinstance(v, bool)), None)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_yes(same)} |")
-    return [*lines, ""]
+        ["artifact", *checks, "popn, verify again: same bits"],
+        rows,
+    )
 
 
 def _exactness_table(ok: dict) -> list[str]:
     runs = _runs(ok, "exactness")
     if not runs:
         return []
-    lines = [
+    columns = {  # heading: the run's key
+        "verify == decode (bits)": "verify == decode (bits)",
+        "same argmax": "argmax equal",
+        "batched == alone (bits)": "batched verify == alone (bits)",
+        "fewer rows == first rows (bits)": "verify 1, 3 == first rows of verify 5 (bits)",
+    }
+    rows = [
+        [name, f"{r['verify vs decode max|diff|']:.2e}", *(_yes(r[k]) for k in columns.values())]
+        for name, r in runs.items()
+    ]
+    return _table(
         "**Exactness**: 5 verify rows against the decode rows of the same tokens at the same "
         "positions; the same verify beside another sequence in the batch; verifies of 1 and 3 "
         "of the tokens against the first rows of the 5.",
-        "",
-        "| artifact | max abs diff | verify == decode (bits) | same argmax "
-        "| batched == alone (bits) | fewer rows == first rows (bits) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, r in runs.items():
-        lines.append(
-            f"| {name} | {r['verify vs decode max|diff|']:.2e} | "
-            f"{_yes(r['verify == decode (bits)'])} | {_yes(r['argmax equal'])} | "
-            f"{_yes(r['batched verify == alone (bits)'])} | "
-            f"{_yes(r['verify 1, 3 == first rows of verify 5 (bits)'])} |"
-        )
-    return [*lines, ""]
+        ["artifact", "max abs diff", *columns],
+        rows,
+    )
 
 
 def _speculation_table(ok: dict) -> list[str]:
@@ -104,22 +109,24 @@ def _speculation_table(ok: dict) -> list[str]:
     if not runs:
         return []
     cols = list(next(iter(runs.values())))
-    lines = [
+    rows = [
+        [
+            name,
+            *(
+                f"{_yes(r[c]['identical'])} {r[c].get('num_accepted_tokens', 0)}/"
+                f"{r[c].get('num_draft_tokens', 0)}"
+                for c in cols
+            ),
+        ]
+        for name, r in runs.items()
+    ]
+    return _table(
         "**Greedy speculation against plain decoding**, 4 prompts of 4-66 tokens, 40 tokens "
         "each (the model as its own draft; prompt lookup): identical token ids, and accepted / "
         "drafted tokens.",
-        "",
-        "| artifact | " + " | ".join(cols) + " |",
-        "|---" * (len(cols) + 1) + "|",
-    ]
-    for name, r in runs.items():
-        cells = [
-            f"{_yes(r[c]['identical'])} {r[c].get('num_accepted_tokens', 0)}/"
-            f"{r[c].get('num_draft_tokens', 0)}"
-            for c in cols
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
+        ["artifact", *cols],
+        rows,
+    )
 
 
 def _speed_table(ok: dict, gpu: str, settings: dict) -> list[str]:
@@ -128,16 +135,7 @@ def _speed_table(ok: dict, gpu: str, settings: dict) -> list[str]:
         return []
     peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in gpu), None)
     first = next(iter(runs.values()))["ms"]
-    lines = [
-        f"**Speed**, median ms of {settings['repeats']} after a warm-up, context "
-        f"{settings['context']}; float16, or "
-        "`gguf`: the GGUF's own 4/8-bit weights. Roofline: the weights and the batch's KV "
-        f"read once per step at {peak / 1e12 if peak else '?'} TB/s, as a share of the "
-        "measured step; verify K=4 as a multiple of a batch-1 decode step.",
-        "",
-        "| model, attention | " + " | ".join(first) + " | roofline b1 / b32 | K=4 / decode |",
-        "|---" * (len(first) + 3) + "|",
-    ]
+    rows = []
     for name, r in runs.items():
         ms = r["ms"]
         roof = "?"
@@ -151,9 +149,16 @@ def _speed_table(ok: dict, gpu: str, settings: dict) -> list[str]:
             ]
             roof = " / ".join(f"{x:.0%}" for x in share)
         ratio = ms["verify K=4"] / ms["decode b1"]
-        cells = [f"{v:.3g}" for v in ms.values()]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {roof} | {ratio:.2f}x |")
-    lines.append("")
+        rows.append([name, *(f"{v:.3g}" for v in ms.values()), roof, f"{ratio:.2f}x"])
+    lines = _table(
+        f"**Speed**, median ms of {settings['repeats']} after a warm-up, context "
+        f"{settings['context']}; float16, or "
+        "`gguf`: the GGUF's own 4/8-bit weights. Roofline: the weights and the batch's KV "
+        f"read once per step at {peak / 1e12 if peak else '?'} TB/s, as a share of the "
+        "measured step; verify K=4 as a multiple of a batch-1 decode step.",
+        ["model, attention", *first, "roofline b1 / b32", "K=4 / decode"],
+        rows,
+    )
     for name in settings["speed_models"]:
         eager = ok.get(f"torch eager {name}")
         if eager:
