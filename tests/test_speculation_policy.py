@@ -3,6 +3,8 @@ and the acceptance estimates it reads."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -120,6 +122,40 @@ def test_step_function_costs_are_searched_past_a_dip():
     table = {1: 0.030, 2: 0.030, 3: 0.045, 4: 0.046, 5: 0.046, 6: 0.046, 7: 0.046}
     step = StepCosts(CostTable({1: 0.030}), CostTable(table), DraftCosts(model=False))
     assert choose(batch([0.9]), step) == [K]
+
+
+def test_the_search_finds_the_best_drafts_on_any_rising_cost():
+    """With a free proposer and costs by pass size, the best drafts for a total are the likeliest
+    ones, so the search matches brute force over every k per sequence; it stops early only where
+    no later total can win, whatever the steps' rises (tiles, flat runs)."""
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        alphas = list(rng.uniform(0.05, 0.95, size=3))
+        rises = rng.choice([0.0, 0.0, 0.001, 0.01], size=16)
+        verify = dict(enumerate(0.01 + np.cumsum(rises), start=1))
+        step = StepCosts(CostTable({3: verify[3]}), CostTable(verify), DraftCosts(model=False))
+        grid = itertools.product(range(4), repeat=3)
+        rates = {
+            ks: sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+            / verify[3 + sum(ks)]
+            for ks in grid
+        }
+        best = max(rates, key=rates.get)
+        want = best if rates[best] >= (1 + MIN_GAIN) * rates[(0, 0, 0)] else (0, 0, 0)
+        assert tuple(choose(batch(alphas, cap=3), step)) == want
+
+
+def test_the_search_stops_once_no_later_draft_can_pay():
+    """8 sequences at 30% where each token costs a decode row's time: 8.3 tokens in 90 ms after
+    the first draft, with 3.1 more that all the queued drafts could add; at the third, all of
+    them (11.4 tokens) could not reach the plain step's goodput in its 110 ms. The policy
+    predicts 4 steps, not 65."""
+    linear = costs(decode=lambda n: 0.01 * n, verify=lambda n: 0.01 * n)
+    calls = []
+    predict = linear.predict
+    linear.predict = lambda shape: calls.append(shape.drafts) or predict(shape)
+    assert choose(batch([0.3] * 8, cap=8), linear) == [0] * 8
+    assert calls == [0, 1, 2, 3]
 
 
 def test_pinned_and_capped_requests():
