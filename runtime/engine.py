@@ -435,11 +435,12 @@ class Engine:
                 proposal = self.proposer.propose(
                     [seqs[i] for i in asked], [plan.num_draft[i] for i in asked]
                 )
-            for j, (i, tokens) in enumerate(zip(asked, proposal.tokens, strict=True)):
-                if proposal.parents is None:
+            trees = proposal.parents or [None] * len(asked)
+            for i, tokens, tree in zip(asked, proposal.tokens, trees, strict=True):
+                if tree is None:
                     drafts[i] = tokens[: plan.num_draft[i]]
                 else:  # the proposer grew the tree to the plan's depth
-                    drafts[i], parents[i] = tokens, proposal.parents[j]
+                    drafts[i], parents[i] = tokens, tree
             if proposal.probs is not None:  # rows per sequence of the plan, none unasked
                 rows: list[np.ndarray | None] = [np.zeros(0, np.int64)] * len(seqs)
                 for j, i in enumerate(asked):

@@ -134,8 +134,11 @@ class SamplingParams:
 DEFAULT_MAX_SPECULATIVE_TOKENS = 6
 
 
-# The proposers an engine can have; method ``auto`` has suffix and, with a draft model, draft.
-PROPOSERS = ("draft", "ngram", "suffix")
+# The proposers a config names (``auto``: suffix and, with a draft model, draft) ...
+METHODS = ("draft", "ngram", "suffix")
+# ... and those an engine can have: the draft model's trees too, with a tree width and automatic
+# k (``SpeculativeConfig.methods``).
+PROPOSERS = (*METHODS, "draft_tree")
 
 
 @dataclasses.dataclass
@@ -150,7 +153,9 @@ class SpeculativeConfig:
     caps every request's k. ``draft_tree_width`` > 1 makes the draft model grow a tree of
     depth k instead of a chain: each depth keeps the ``width`` most probable continuations
     (EAGLE-2's dynamic tree), so a step verifies up to ``k x width`` drafts in one pass
-    (``runtime/draft_tree.py``)."""
+    (``runtime/draft_tree.py``). With a fixed k every step grows a tree; with automatic k the
+    policy chooses per sequence and step between the draft model's chain and its tree
+    (method ``draft_tree``), and the depth of either, by the goodput each predicts."""
 
     method: Literal["draft", "ngram", "suffix", "auto"]
     num_speculative_tokens: int | Literal["auto"] = "auto"
@@ -169,7 +174,7 @@ class SpeculativeConfig:
     draft_tree_width: int = 1
 
     def __post_init__(self) -> None:
-        if self.method not in (*PROPOSERS, "auto"):
+        if self.method not in (*METHODS, "auto"):
             raise ParamsError(
                 f"unknown speculative method {self.method!r} (draft, ngram, suffix or auto)"
             )
@@ -204,10 +209,12 @@ class SpeculativeConfig:
                 f"draft_tree_width {self.draft_tree_width} exceeds the artifacts' "
                 f"{MAX_TREE_WIDTH} candidates per node"
             )
-        if self.draft_tree_width > 1 and (self.method != "draft" or self.auto):
+        if self.draft_tree_width > 1 and not (
+            self.method == "draft" or (self.method == "auto" and self.auto)
+        ):
             raise ParamsError(
-                "draft trees (draft_tree_width > 1) need method 'draft' and a fixed "
-                "num_speculative_tokens (the tree's depth): the automatic policy prices chains"
+                "draft trees (draft_tree_width > 1) need a draft model: method 'draft', or "
+                "'auto' with automatic num_speculative_tokens"
             )
 
     @property
@@ -216,10 +223,14 @@ class SpeculativeConfig:
         return self.num_speculative_tokens == "auto"
 
     def methods(self, has_draft_model: bool) -> tuple[str, ...]:
-        """The proposers an engine with this config has."""
+        """The proposers an engine with this config has: with a tree width and automatic k,
+        the draft model's trees beside its chains."""
+        trees = ("draft_tree",) if self.draft_tree_width > 1 and self.auto else ()
+        if self.method == "draft":
+            return ("draft", *trees)
         if self.method != "auto":
             return (self.method,)
-        return ("draft", "suffix") if has_draft_model else ("suffix",)
+        return ("draft", *trees, "suffix") if has_draft_model else ("suffix",)
 
     def nodes(self, k: int) -> int:
         """The most drafts a step of depth ``k`` verifies (a chain's k, a tree's k x width)."""

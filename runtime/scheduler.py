@@ -454,6 +454,7 @@ class Scheduler:
             context=seq.kv_len,
             free=proposer.costs is self.costs.free,
             calibration=self.acceptance[method].calibration(),
+            width=proposer.width,
         )
 
     def _preempt_newest(self) -> Request:
@@ -510,8 +511,11 @@ class Scheduler:
         for estimator in self.acceptance.values():
             estimator.fade([s.seq_id for s in seqs])
         for seq, k, a, i in zip(seqs, num_draft, accepted, rows, strict=True):
-            if k:
-                self.acceptance[plan.methods[i]].observe(seq.seq_id, k, a, plan.acceptance[i])
+            if k:  # a tree's acceptance is by depth, as its chance to be emitted is priced
+                width = self.proposers[plan.methods[i]].width
+                self.acceptance[plan.methods[i]].observe(
+                    seq.seq_id, -(-k // width), a, plan.acceptance[i]
+                )
             seq.stats.record_choice(plan.num_draft[i])
 
     def record_step(

@@ -1,8 +1,9 @@
 """End-to-end speed of lossless speculative decoding on HumanEval, against llama.cpp at its best.
 
 Qwen2.5-Coder-1.5B-Instruct generates greedily at batch 1 without speculation, with prompt
-lookup, and with Qwen2.5-Coder-0.5B-Instruct drafting k = 1..8 tokens (or k chosen per step) or
-growing draft trees (``TREES``, depth and width; ``runtime/draft_tree.py``), compiled from the
+lookup, and with Qwen2.5-Coder-0.5B-Instruct drafting k = 1..8 tokens (or k chosen per step),
+growing draft trees (``TREES``, depth and width; ``runtime/draft_tree.py``), or either as the
+policy chooses per step (``auto-tree``), compiled from the
 GGUFs with ``--quantization`` (default: as shipped). On the same GGUFs and prompts llama.cpp
 (``scripts/llamacpp.py``) runs plainly (``llama-completion``), with the draft proposing up to
 n_max tokens and with its n-gram proposers (``llama-speculative-simple``), each with flash
@@ -64,6 +65,7 @@ DRAFT_LENGTHS = range(1, 9)
 # (depth, width) of the draft trees tried: EAGLE-2's dynamic tree keeps `width` nodes a depth.
 TREES = [(3, 2), (4, 2), (5, 2), (3, 3), (4, 3), (3, 4)]
 TREE_GOAL = 1.15  # a tree against the best chain at batch 1 (issue 36)
+AUTO_GOAL = 0.95  # the policy choosing chains and trees against the best fixed one (issue 36)
 STEP_COST_ROUNDS = 9  # medians of the step costs behind the acceptance bound
 # Calls averaged per sample, under the median over rounds: one call per sample was noisy.
 STEP_COST_CALLS = 4
@@ -94,6 +96,15 @@ OURS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "auto": (
         "mlc-spec, draft or suffix per step, k auto (<= 8)",
         {"method": "auto", "num_speculative_tokens": "auto", "max_speculative_tokens": 8},
+    ),
+    "auto-tree": (
+        "mlc-spec, draft chain or tree (width 2) per step, k auto (<= 8)",
+        {
+            "method": "draft",
+            "num_speculative_tokens": "auto",
+            "max_speculative_tokens": 8,
+            "draft_tree_width": 2,
+        },
     ),
     **{
         f"tree{k}w{w}": (
@@ -504,6 +515,7 @@ def report(
         row(results.get("auto")),
         row(family("ours", "draft")),
         row(family("ours", "tree")),
+        row(results.get("auto-tree")),
         row(best([r for r in by_system["llama"] if r.config.name == "llama"])),
         row(family("llama", "llama-spec")),
         row(family("llama", "llama-ngram-simple")),
@@ -695,6 +707,17 @@ def goals(
             f"- Our best tree, {tree.config.label}, is **{ratio:.2f}x** our best chain, "
             f"{chain.config.label} (goal >= {TREE_GOAL}x with tokens identical to our plain "
             f"decoding: {verdict(ratio >= TREE_GOAL and identical, load)})"
+        )
+    fixed = best([r for r in (chain, tree, plain) if r])
+    policy = results.get("auto-tree")
+    if policy and fixed:
+        ratio = policy.speed.mid / fixed.speed.mid
+        identical = plain is not None and policy.first.outputs == plain.first.outputs
+        lines.append(
+            f"- The policy choosing chains and trees, {policy.config.label}, is **{ratio:.2f}x** "
+            f"the best fixed configuration, {fixed.config.label} (goal >= {AUTO_GOAL}x with "
+            f"tokens identical to our plain decoding: "
+            f"{verdict(ratio >= AUTO_GOAL and identical, load)})"
         )
     ours, llama = best(by_system["ours"]), best(by_system["llama"])
     if ours is None or llama is None:

@@ -102,7 +102,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
-    speculative_method: Literal["draft", "ngram", "suffix"] | None = None
+    speculative_method: Literal["draft", "draft_tree", "ngram", "suffix"] | None = None
     # Accepted only at their no-op values: anything else would be silently wrong.
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)

@@ -195,11 +195,13 @@ def test_bad_speculation_settings_are_rejected(tiny_llama):
     for method, k, width, match in (
         ("draft", 3, 0, "draft_tree_width must be an int >= 1"),
         ("draft", 3, 9, "exceeds the artifacts' 8 candidates"),
-        ("draft", AUTO, 2, "fixed num_speculative_tokens"),
-        ("ngram", 3, 2, "need method 'draft'"),
+        ("auto", 3, 2, "need a draft model"),
+        ("ngram", 3, 2, "need a draft model"),
     ):
         with pytest.raises(UserError, match=match):
             _llm(tiny_llama, method, k=k, draft=tiny_llama, spec={"draft_tree_width": width})
+    with pytest.raises(UserError, match="need draft_model"):
+        _llm(tiny_llama, "auto", spec={"draft_tree_width": 2})
     with pytest.raises(UserError, match=r"max_batch_size 8 x \(24 drafts \+ 1\)"):
         spec = {"draft_tree_width": 4, "max_speculative_tokens": 6}
         _llm(tiny_llama, "draft", k=3, draft=tiny_llama, spec=spec, prefill_chunk_size=128)

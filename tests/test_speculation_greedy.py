@@ -85,6 +85,27 @@ def test_auto_is_lossless_with_both_proposers_in_one_step(target, tiny_llama_dra
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
 
+def test_the_policy_chooses_chains_and_trees_per_sequence(target, tiny_llama_draft, reference):
+    """A tree width with automatic k: each sequence drafts a chain or a tree of the draft
+    model, as its request pins or the policy chooses per step, beside suffix decoding (method
+    auto); chains and trees in one verify pass still give the plain output, every kind
+    drafted, and a tree's acceptance is learned by depth, not by node."""
+    llm = LLM(
+        target.artifact,
+        draft_model=tiny_llama_draft.artifact,
+        speculative={"method": "auto", "max_speculative_tokens": 3, "draft_tree_width": 2},
+    )
+    pins = [("draft_tree", 3), ("draft", 2), ("suffix", None), ("draft_tree", None), (None, 2)]
+    params = [
+        dataclasses.replace(GREEDY, speculative_method=m, num_speculative_tokens=k) for m, k in pins
+    ]
+    assert _token_ids(llm, _prompts(), params) == reference
+    by_method = llm.metrics()["speculation"]["drafting_sequence_steps_by_method"]
+    assert all(by_method.get(m, 0) > 0 for m in ("draft", "draft_tree", "suffix")), by_method
+    assert len(llm.engine.scheduler.acceptance["draft_tree"].per_position()) == 3
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_ngram_is_lossless(target, reference, k):
     llm = LLM(target.artifact, speculative={"method": "ngram", "num_speculative_tokens": k})

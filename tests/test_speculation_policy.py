@@ -158,6 +158,25 @@ def test_the_search_stops_once_no_later_draft_can_pay():
     assert calls == [0, 1, 2, 3]
 
 
+def test_a_tree_is_priced_by_its_nodes_and_chosen_where_its_depths_pay():
+    """A tree of width 2 verifies 2 drafts a depth, and the draft's passes after its first
+    carry 2 rows. Where verifying is nearly free, its higher acceptance per depth wins; where
+    each verified token costs a quarter of a decode step, the chain does."""
+    shape = StepShape.of([3], [1], widths=[2])
+    assert (shape.drafts, shape.drafting) == (6, [1, 2, 2])
+    flat = costs(decode=lambda n: 0.030, verify=lambda n: 0.030 + 0.0005 * n)
+    steep = costs(decode=lambda n: 0.030, verify=lambda n: 0.030 + 0.008 * (n - 1))
+    options = [
+        {
+            "draft": Candidate(cap=3, pinned=None, acceptance=0.6),
+            "draft_tree": Candidate(cap=3, pinned=None, acceptance=0.75, width=2),
+        }
+    ]
+    flat_choice, steep_choice = (GoodputPolicy().choose_methods(options, c) for c in (flat, steep))
+    assert (flat_choice[0].num_draft, flat_choice[1]) == ([3], ["draft_tree"])
+    assert (steep_choice[0].num_draft, steep_choice[1]) == ([2], ["draft"])
+
+
 def test_pinned_and_capped_requests():
     flat = costs(decode=lambda n: 0.030, verify=lambda n: 0.030)
     linear = costs(decode=lambda n: 0.01 * n, verify=lambda n: 0.01 * n)

@@ -225,8 +225,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--draft-tree-width",
         type=int,
         default=None,
-        help="with a draft model and a fixed -k: grow a tree of depth k keeping this many "
-        "candidates per depth, verified in one pass (default 1: a chain)",
+        help="with a draft model: grow trees keeping this many candidates per depth, verified "
+        "in one pass; with a fixed -k every step grows one of depth k, with -k auto the policy "
+        "chooses a chain or a tree per sequence and step (default 1: chains)",
     )
 
 

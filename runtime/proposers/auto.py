@@ -1,5 +1,6 @@
-"""Method ``auto``: suffix decoding and a draft model in one engine, the policy choosing each
-sequence's proposer per step (``GoodputPolicy.choose_methods``)."""
+"""Several proposers in one engine, the policy choosing each sequence's per step
+(``GoodputPolicy.choose_methods``): method ``auto`` (suffix decoding and a draft model), and a
+draft model's chains and trees (a tree width with automatic k)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class AutoProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         tokens, rows, data = [None] * len(seqs), [None] * len(seqs), None
+        parents: list = [None] * len(seqs)
         for method, group in self._groups(seqs).items():
             proposal = self._proposers[method].propose(
                 [seqs[i] for i in group], [num_tokens[i] for i in group]
@@ -43,7 +45,10 @@ class AutoProposer(Proposer):
                 tokens[i] = proposal.tokens[j]
                 if proposal.probs is not None:
                     data, rows[i] = proposal.probs.data, proposal.probs.rows[j]
-        return Proposal(tokens, None if data is None else DraftProbs(data, rows))
+                if proposal.parents is not None:
+                    parents[i] = proposal.parents[j]
+        trees = parents if any(p is not None for p in parents) else None
+        return Proposal(tokens, None if data is None else DraftProbs(data, rows), trees)
 
     def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
         for method, group in self._groups(seqs).items():
@@ -53,7 +58,7 @@ class AutoProposer(Proposer):
 
     def remove(self, seq: Sequence) -> None:
         for proposer in self._proposers.values():
-            proposer.remove(seq)
+            proposer.remove(seq)  # the draft model's chains and trees share one: it forgets once
 
     def warm_up(self, max_rows: int) -> None:
         for proposer in self._proposers.values():

@@ -18,11 +18,11 @@ class Proposal:
     distributions they were sampled from, kept on the device, or ``None`` when the proposal is
     deterministic (a point mass at each draft). ``parents``, for a draft tree: each draft's
     parent, 0 for the sequence's pending token and j for its j-th draft (``None``: chains,
-    draft j's parent being j - 1)."""
+    draft j's parent being j - 1; a sequence's ``None`` in the list: its drafts are a chain)."""
 
     tokens: list[np.ndarray]
     probs: DraftProbs | None
-    parents: list[np.ndarray] | None = None
+    parents: list[np.ndarray | None] | None = None
 
 
 class Proposer(abc.ABC):
@@ -30,6 +30,7 @@ class Proposer(abc.ABC):
 
     method: str  # its name in ``SpeculativeConfig.method`` and ``speculative_method``
     costs: DraftCosts
+    width = 1  # drafts a step verifies per draft position (a tree's nodes per depth)
 
     def by_method(self) -> dict[str, Proposer]:
         """The proposers the policy chooses among, by method (this one alone, but for

@@ -12,7 +12,7 @@ from ..params import EngineConfig, SpeculativeConfig
 from ..tokenizer import Tokenizer
 from .auto import AutoProposer
 from .base import Proposer
-from .draft_model import DraftModelProposer
+from .draft_model import DraftModelProposer, DraftTreeProposer
 from .ngram import NgramProposer
 from .suffix import SuffixProposer
 
@@ -34,9 +34,21 @@ def build_proposer(
         raise UserError(
             "speculative method 'draft' needs draft_model, and only it and 'auto' use one"
         )
+    if spec.draft_tree_width > 1 and draft_model is None:
+        raise UserError("draft trees (draft_tree_width > 1) need draft_model")
     methods = spec.methods(draft_model is not None)
-    proposers = {m: _proposer(m, spec, draft_model, target, tokenizer, config) for m in methods}
-    return AutoProposer(proposers) if spec.method == "auto" else proposers[spec.method]
+    proposers = {
+        m: _proposer(m, spec, draft_model, target, tokenizer, config)
+        for m in methods
+        if m != "draft_tree"
+    }
+    if "draft_tree" in methods:  # the draft model's trees beside its chains, for the policy
+        proposers["draft_tree"] = DraftTreeProposer(proposers["draft"], spec.draft_tree_width)
+    return (
+        AutoProposer(proposers)
+        if len(methods) > 1 or spec.method == "auto"
+        else proposers[spec.method]
+    )
 
 
 def _proposer(
@@ -64,7 +76,7 @@ def _proposer(
         config.max_total_len,
         config.prefill_chunk_size,
         config.enable_prefix_caching,
-        spec.draft_tree_width,
+        1 if spec.auto else spec.draft_tree_width,  # with automatic k: chains, trees beside
     )
 
 

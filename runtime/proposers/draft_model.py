@@ -33,8 +33,8 @@ class DraftModelProposer(Proposer):
     distribution is the masked one it was drawn from.
 
     With ``tree_width`` > 1 the draft grows a tree instead (``runtime/draft_tree.py``): from the
-    pending token, each depth expands every node of the last depth into its ``tree_width`` most
-    probable tokens and keeps the ``tree_width`` children of highest path probability, one
+    pending token, each depth expands every node of the last depth into its ``width`` most
+    probable tokens and keeps the ``width`` children of highest path probability, one
     batched pass per depth over the kept nodes (EAGLE-2's dynamic tree). The children are
     chosen, not sampled, so every request verifies them as point masses.
     """
@@ -50,7 +50,7 @@ class DraftModelProposer(Proposer):
         prefix_cache: bool = False,
         tree_width: int = 1,
     ):
-        self.model, self.chunk_size, self.tree_width = model, prefill_chunk_size, tree_width
+        self.model, self.chunk_size, self.width = model, prefill_chunk_size, tree_width
         self.kv = model.create_kv_cache(
             max_batch_size, max_total_len, prefill_chunk_size, prefix_cache=prefix_cache
         )
@@ -90,8 +90,8 @@ class DraftModelProposer(Proposer):
         return logits, sum(map(len, feeds))
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        if self.tree_width > 1:
-            return self._propose_tree(seqs, num_tokens)
+        if self.width > 1:
+            return self.propose_tree(seqs, num_tokens, self.width)
         start = time.perf_counter()
         ids = [s.seq_id for s in seqs]
         logits, caught_up = self._catch_up(seqs)
@@ -134,12 +134,13 @@ class DraftModelProposer(Proposer):
             probs=None if greedy else DraftProbs(probs, [np.array(r) for r in prob_rows]),
         )
 
-    def _propose_tree(self, seqs: list[Sequence], depths: list[int]) -> Proposal:
-        """A tree per sequence of depth ``depths[i]`` (the class docstring)."""
+    def propose_tree(self, seqs: list[Sequence], depths: list[int], width: int) -> Proposal:
+        """A tree per sequence of depth ``depths[i]``, ``width`` nodes a depth (the class
+        docstring)."""
         start = time.perf_counter()
         ids = [s.seq_id for s in seqs]
         logits, caught_up = self._catch_up(seqs)
-        width, b = self.tree_width, len(seqs)
+        b = len(seqs)
         tokens: list[list[int]] = [[s.tokens[-1]] for s in seqs]  # offset 0: the pending token
         parents: list[list[int]] = [[-1] for _ in seqs]
         score: list[list[float]] = [[0.0] for _ in seqs]  # log probability of each path
@@ -228,3 +229,29 @@ class DraftModelProposer(Proposer):
             self.kv.remove_sequence(seq.seq_id)
             self._known.discard(seq.seq_id)
             self._trees.pop(seq.seq_id, None)
+
+
+class DraftTreeProposer(Proposer):
+    """The draft model's trees beside its chains, for the automatic policy to choose between
+    per sequence and step (method ``draft_tree``): the same model, cache and costs as the
+    chains' ``DraftModelProposer``, growing trees of ``width`` nodes a depth."""
+
+    method = "draft_tree"
+
+    def __init__(self, draft: DraftModelProposer, width: int):
+        self.draft, self.width, self.costs = draft, width, draft.costs
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        return self.draft.propose_tree(seqs, num_tokens, self.width)
+
+    def on_verified(self, seqs: list[Sequence], proposed: list[int], kept: list[list[int]]) -> None:
+        self.draft.on_verified(seqs, proposed, kept)
+
+    def remove(self, seq: Sequence) -> None:
+        self.draft.remove(seq)
+
+    def catch_up(self, seq: Sequence) -> int:
+        return self.draft.catch_up(seq)
+
+    def warm_up(self, max_rows: int) -> None:
+        """Nothing of its own: the chains' proposer measures the model's passes."""

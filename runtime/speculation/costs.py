@@ -100,10 +100,12 @@ class Attended:
 @dataclasses.dataclass
 class StepShape:
     """What a decode step's cost depends on: its rows, the tokens the draft reads in its first
-    pass (at most ``STEADY_CATCH_UP`` per sequence), ``drafting[j]``, how many sequences
-    draft a (j+1)-th token with the step's proposer, ``free``, how many draft with the
-    model-free proposer beside a draft model (method ``auto``), ``drafts`` in all, and the
-    context its rows and its drafts attend over (``Attended``)."""
+    pass (at most ``STEADY_CATCH_UP`` per sequence), ``drafting[j]``, the rows of the draft
+    model's (j+1)-th pass (``drafting[0]``: the sequences drafting; a chain adds a row per
+    further draft, a tree its ``width`` nodes per further depth), ``free``, how many draft
+    with the model-free proposer beside a draft model (method ``auto``), ``drafts`` the
+    target verifies in all, and the context its rows and its drafts attend over
+    (``Attended``)."""
 
     rows: int
     catch_up: int = 0
@@ -113,10 +115,16 @@ class StepShape:
     attended: Attended = dataclasses.field(default_factory=Attended)
 
     def add_draft(
-        self, k_before: int, catch_up: int, context: int = REFERENCE_CONTEXT, free: bool = False
+        self,
+        k_before: int,
+        catch_up: int,
+        context: int = REFERENCE_CONTEXT,
+        free: bool = False,
+        width: int = 1,
     ) -> None:
-        """One more draft for a sequence that had ``k_before`` and holds ``context`` tokens,
-        from the model-free proposer beside the model where ``free``."""
+        """One more draft position (``width`` drafts: a tree's nodes at a depth) for a
+        sequence that had ``k_before`` and holds ``context`` tokens, from the model-free
+        proposer beside the model where ``free``."""
         if free:
             self.free += k_before == 0
         else:
@@ -124,9 +132,9 @@ class StepShape:
                 self.catch_up += min(catch_up, STEADY_CATCH_UP)
             if k_before == len(self.drafting):
                 self.drafting.append(0)
-            self.drafting[k_before] += 1
-        self.drafts += 1
-        self.attended.drafts += context - REFERENCE_CONTEXT
+            self.drafting[k_before] += 1 if k_before == 0 else width
+        self.drafts += width
+        self.attended.drafts += width * (context - REFERENCE_CONTEXT)
 
     @classmethod
     def of(
@@ -135,13 +143,15 @@ class StepShape:
         catch_up: Sequence[int],
         contexts: Sequence[int] | None = None,
         free: Sequence[bool] | None = None,
+        widths: Sequence[int] | None = None,
     ) -> StepShape:
         contexts = contexts or [REFERENCE_CONTEXT] * len(num_draft)
         free = free or [False] * len(num_draft)
+        widths = widths or [1] * len(num_draft)
         shape = cls(len(num_draft), attended=Attended.of(contexts))
-        for k, c, context, f in zip(num_draft, catch_up, contexts, free, strict=True):
+        for k, c, context, f, w in zip(num_draft, catch_up, contexts, free, widths, strict=True):
             for j in range(k):
-                shape.add_draft(j, c, context, f)
+                shape.add_draft(j, c, context, f, w)
         return shape
 
 

@@ -52,6 +52,7 @@ class Candidate:
     free: bool = False  # drafts with the model-free proposer beside a draft model (``auto``)
     # Its proposer's calibration (``AcceptanceEstimator.calibration``); None: the batch's.
     calibration: Sequence[float] | None = None
+    width: int = 1  # drafts per position: a draft tree's nodes per depth
 
 
 @dataclasses.dataclass
@@ -88,7 +89,11 @@ class GoodputPolicy:
         ]
         drafting = [i for i, k in enumerate(num_draft) if k]
         shape = StepShape.of(
-            num_draft, catch_up, [c.context for c in batch], [c.free for c in batch]
+            num_draft,
+            catch_up,
+            [c.context for c in batch],
+            [c.free for c in batch],
+            [c.width for c in batch],
         )
         tokens = sum(emitted)
         whole = sum(once[i] for i in drafting)  # paid in this step
@@ -115,7 +120,8 @@ class GoodputPolicy:
             if num_draft[i] == 0:  # starts drafting: its catch-up, and its one emitted token
                 whole += once[i]
                 spread += share[i]
-            shape.add_draft(num_draft[i], catch_up[i], batch[i].context, batch[i].free)
+            c = batch[i]
+            shape.add_draft(num_draft[i], catch_up[i], c.context, c.free, c.width)
             num_draft[i] += 1
             tokens -= gain
             spread -= gain * share[i]
