@@ -71,11 +71,12 @@ def test_greedy_is_identical_under_random_k(target, tiny_llama_draft, method):
 
 
 def test_random_k_with_preemption(target, tiny_llama_draft):
-    """The draft catches up after a sequence skipped speculation or was preempted."""
+    """The draft catches up after a sequence skipped speculation or was preempted. Chunks are
+    bounded by tokens alone, so that the steps, and the preemptions, do not follow timings."""
     prompts = [list(np.random.default_rng(i).integers(3, VOCAB, 20 + 7 * i)) for i in range(5)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = _ids(LLM(target.artifact).generate(prompts, params))
-    llm = _llm(target, "draft", tiny_llama_draft, max_total_len=192)
+    llm = _llm(target, "draft", tiny_llama_draft, max_total_len=192, chunk_time_ratio=None)
     llm.engine.scheduler.policy = RandomK(seed=1)
     assert _ids(llm.generate(prompts, params)) == expected
     assert llm.engine.scheduler.num_preemptions > 0
