@@ -694,42 +694,49 @@ def checks(results: dict[str, Result], job: dict[str, Any]) -> list[str]:
 def goals(
     results: dict[str, Result], by_system: dict[str, list[Result]], load: StartLoad
 ) -> list[str]:
-    """Our best against llama.cpp's best, each by median tokens/s; ours must also reproduce our
-    plain decoding."""
-    lines = []
+    """Our best tree against our best chain, the policy choosing either against the best fixed
+    configuration, and our best against llama.cpp's best (``_against``)."""
     plain = results.get("nospec")
     chain = best([r for r in by_system["ours"] if r.config.name.removeprefix("draft").isdigit()])
     tree = best([r for r in by_system["ours"] if r.config.name.startswith("tree")])
-    if chain and tree:
-        ratio = tree.speed.mid / chain.speed.mid
-        identical = plain is not None and tree.first.outputs == plain.first.outputs
-        lines.append(
-            f"- Our best tree, {tree.config.label}, is **{ratio:.2f}x** our best chain, "
-            f"{chain.config.label} (goal >= {TREE_GOAL}x with tokens identical to our plain "
-            f"decoding: {verdict(ratio >= TREE_GOAL and identical, load)})"
-        )
     fixed = best([r for r in (chain, tree, plain) if r])
-    policy = results.get("auto-tree")
-    if policy and fixed:
-        ratio = policy.speed.mid / fixed.speed.mid
-        identical = plain is not None and policy.first.outputs == plain.first.outputs
-        lines.append(
-            f"- The policy choosing chains and trees, {policy.config.label}, is **{ratio:.2f}x** "
-            f"the best fixed configuration, {fixed.config.label} (goal >= {AUTO_GOAL}x with "
-            f"tokens identical to our plain decoding: "
-            f"{verdict(ratio >= AUTO_GOAL and identical, load)})"
-        )
     ours, llama = best(by_system["ours"]), best(by_system["llama"])
-    if ours is None or llama is None:
-        return lines
-    ratio = ours.speed.mid / llama.speed.mid
-    identical = plain is not None and ours.first.outputs == plain.first.outputs
-    return [
-        *lines,
-        f"- Our best, {ours.config.label}, is **{ratio:.2f}x** llama.cpp's best, "
-        f"{llama.config.label} (goal >= {SPEED_GOAL}x with tokens identical to our plain "
-        f"decoding: {verdict(ratio >= SPEED_GOAL and identical, load)})",
+    comparisons = [
+        ("Our best tree", tree, "our best chain", chain, TREE_GOAL),
+        (
+            "The policy choosing chains and trees",
+            results.get("auto-tree"),
+            "the best fixed configuration",
+            fixed,
+            AUTO_GOAL,
+        ),
+        ("Our best", ours, "llama.cpp's best", llama, SPEED_GOAL),
     ]
+    return [
+        _against(subject, result, what, baseline, goal, plain, load)
+        for subject, result, what, baseline, goal in comparisons
+        if result and baseline
+    ]
+
+
+def _against(
+    subject: str,
+    result: Result,
+    what: str,
+    baseline: Result,
+    goal: float,
+    plain: Result | None,
+    load: StartLoad,
+) -> str:
+    """``result`` against ``baseline`` by median tokens/s, and the goal's verdict: at least
+    ``goal`` times as fast, with tokens identical to our plain decoding."""
+    ratio = result.speed.mid / baseline.speed.mid
+    identical = plain is not None and result.first.outputs == plain.first.outputs
+    return (
+        f"- {subject}, {result.config.label}, is **{ratio:.2f}x** {what}, "
+        f"{baseline.config.label} (goal >= {goal}x with tokens identical to our plain "
+        f"decoding: {verdict(ratio >= goal and identical, load)})"
+    )
 
 
 def step_cost_lines(costs: StepCosts, results: dict[str, Result]) -> list[str]:

@@ -37,13 +37,13 @@ def build_proposer(
     if spec.draft_tree_width > 1 and draft_model is None:
         raise UserError("draft trees (draft_tree_width > 1) need draft_model")
     methods = spec.methods(draft_model is not None)
-    proposers = {
-        m: _proposer(m, spec, draft_model, target, tokenizer, config)
-        for m in methods
-        if m != "draft_tree"
-    }
-    if "draft_tree" in methods:  # the draft model's trees beside its chains, for the policy
-        proposers["draft_tree"] = DraftTreeProposer(proposers["draft"], spec.draft_tree_width)
+    proposers: dict[str, Proposer] = {}
+    for m in methods:  # ``draft`` comes before ``draft_tree``, the view of its trees
+        proposers[m] = (
+            DraftTreeProposer(proposers["draft"], spec.draft_tree_width)
+            if m == "draft_tree"
+            else _proposer(m, spec, draft_model, target, tokenizer, config)
+        )
     return (
         AutoProposer(proposers)
         if len(methods) > 1 or spec.method == "auto"
