@@ -295,7 +295,7 @@ _BUILTINS = (
 )
 
 
-_NO_TREES = "draft trees need a CPU artifact: this CUDA build verifies chains only"
+NO_TREES = "draft trees need a CPU artifact: a CUDA build verifies chains only"
 
 
 class TVMKVCache:
@@ -337,7 +337,7 @@ class TVMKVCache:
 
     def keep(self, seq_id: int, start: int, kept: Sequence[int]) -> None:
         if list(kept) != list(range(len(kept))):
-            raise UserError(_NO_TREES)
+            raise UserError(NO_TREES)
         self.popn(seq_id, self.sequence_length(seq_id) - start - len(kept))
 
     @contextmanager
@@ -348,7 +348,7 @@ class TVMKVCache:
         trees: Sequence[tuple[int, np.ndarray] | None] | None = None,
     ) -> Iterator[object]:
         if any(t is not None for t in trees or ()):
-            raise UserError(_NO_TREES)
+            raise UserError(NO_TREES)
         self._f["kv_state_begin_forward"](
             self.handle,
             tvm_ffi.Shape([int(s) for s in seq_ids]),

@@ -89,6 +89,12 @@ class Model:
             {name: self.sampler_vm[name] for name in self.config["sampler_functions"]}, self.device
         )
 
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether its verify pass takes a draft tree: CPU artifacts' attention kernels are
+        ours and do; TVM's KV cache on CUDA verifies chains only here."""
+        return self.config["kv_cache"] == "pages"
+
     def create_kv_cache(
         self,
         max_batch_size: int,

@@ -31,6 +31,7 @@ import torch
 import transformers
 import tvm
 
+from mlc_spec.errors import UserError
 from mlc_spec.runtime.artifact import ArtifactError
 from mlc_spec.runtime.cuda_kernels import cuda_device
 from mlc_spec.runtime.llm import LLM
@@ -273,7 +274,8 @@ class Checks:
 
     def speculation(self, artifact: str) -> dict:
         """Greedy speculative output against plain decoding, token for token, on prompts of
-        mixed lengths: the model as its own draft, and prompt lookup, k = 1..5."""
+        mixed lengths: the model as its own draft and prompt lookup, k = 1..5; suffix decoding
+        and the automatic policy."""
         path = self.artifacts / artifact
         vocab = self.models[artifact].model_config["vocab_size"]
         rng = np.random.default_rng(3)
@@ -285,12 +287,18 @@ class Checks:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
         plain = tokens(LLM(path, speculative={"method": "ngram", "num_speculative_tokens": 0}))
+        configs = {
+            f"{method} k={k}": {"method": method, "num_speculative_tokens": k}
+            for method in ("draft", "ngram")
+            for k in range(1, 6)
+        }
+        configs["suffix k=4"] = {"method": "suffix", "num_speculative_tokens": 4}
+        configs["auto"] = {"method": "auto", "num_speculative_tokens": "auto"}
         out = {}
-        for method in ("draft", "ngram"):
-            for k in range(1, 6):
-                draft = path if method == "draft" else None
-                llm = LLM(path, draft, {"method": method, "num_speculative_tokens": k})
-                out[f"{method} k={k}"] = {"identical": tokens(llm) == plain, **_drafts(llm)}
+        for label, speculative in configs.items():
+            draft = path if speculative["method"] in ("draft", "auto") else None
+            llm = LLM(path, draft, speculative)
+            out[label] = {"identical": tokens(llm) == plain, **_drafts(llm)}
         return out
 
     def speed(self, name: str) -> dict:
@@ -403,6 +411,15 @@ class Checks:
             return {"error": str(err)}
         return {"error": None}
 
+    def tree_on_cuda(self) -> dict:
+        """A draft tree asked of a CUDA artifact (TVM's KV cache verifies chains only here)."""
+        path = self.artifacts / "tiny-llama-tir"
+        try:
+            LLM(path, path, {"method": "draft", "num_speculative_tokens": 3, "draft_tree_width": 2})
+        except UserError as err:
+            return {"error": str(err)}
+        return {"error": None}
+
 
 def run(checks: Checks, results: Results) -> None:
     """Every check whose artifacts loaded, top to bottom."""
@@ -438,6 +455,7 @@ def run(checks: Checks, results: Results) -> None:
         section(f"torch eager {model}", lambda m=model: checks.torch_eager(m), f"{model}-tir")
     section("end to end smollm2-flashinfer", checks.end_to_end, "smollm2-flashinfer")
     section("bad input: another architecture", checks.wrong_arch, "tiny-llama-tir")
+    section("bad input: a draft tree", checks.tree_on_cuda, "tiny-llama-tir")
 
 
 def _compare(ours: np.ndarray, ref: np.ndarray) -> dict:

@@ -122,8 +122,8 @@ def _speculation_table(ok: dict) -> list[str]:
     ]
     return _table(
         "**Greedy speculation against plain decoding**, 4 prompts of 4-66 tokens, 40 tokens "
-        "each (the model as its own draft; prompt lookup): identical token ids, and accepted / "
-        "drafted tokens.",
+        "each (the model as its own draft; prompt lookup; suffix decoding; the automatic policy "
+        "over all three): identical token ids, and accepted / drafted tokens.",
         ["artifact", *cols],
         rows,
     )
@@ -201,9 +201,13 @@ def _misc(ok: dict) -> list[str]:
             for k, v in load.items()
         )
         lines += [f"**Loading** (first, nvcc compiling the TIR kernels / cached): {cells}.", ""]
-    arch = ok.get("bad input: another architecture")
-    if arch:
-        lines += [f"**An artifact for sm_100 on this GPU:** `{arch['error']}`", ""]
+    for section, title in (
+        ("another architecture", "An artifact for sm_100 on this GPU"),
+        ("a draft tree", "A draft tree asked of a CUDA artifact"),
+    ):
+        refused = ok.get(f"bad input: {section}")
+        if refused:
+            lines += [f"**{title}:** `{refused['error']}`", ""]
     return lines
 
 

@@ -12,6 +12,9 @@ from tiny_models import VOCAB
 from mlc_spec import LLM, SamplingParams
 from mlc_spec.cli import main
 from mlc_spec.errors import UserError
+from mlc_spec.runtime.model import Model
+from mlc_spec.runtime.params import EngineConfig, SpeculativeConfig
+from mlc_spec.runtime.proposers.build import build_proposer
 from mlc_spec.runtime.speculation import Attention, warm_up
 from mlc_spec.runtime.speculation.costs import REFERENCE_CONTEXT
 from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE, LONG_CONTEXT, time_passes
@@ -203,6 +206,12 @@ def test_bad_speculation_settings_are_rejected(tiny_llama):
             _llm(tiny_llama, method, k=k, draft=tiny_llama, spec={"draft_tree_width": width})
     with pytest.raises(UserError, match="need draft_model"):
         _llm(tiny_llama, "auto", spec={"draft_tree_width": 2})
+    cuda_like = Model(tiny_llama.artifact)  # a CUDA artifact's KV cache, which takes no tree
+    cuda_like.config = {**cuda_like.config, "kv_cache": "tvm"}
+    for method in ("draft", "auto"):
+        spec = SpeculativeConfig(method=method, draft_tree_width=2)
+        with pytest.raises(UserError, match="draft trees need a CPU artifact"):
+            build_proposer(spec, tiny_llama.artifact, cuda_like, None, EngineConfig())
     with pytest.raises(UserError, match=r"max_batch_size 8 x \(24 drafts \+ 1\)"):
         spec = {"draft_tree_width": 4, "max_speculative_tokens": 6}
         _llm(tiny_llama, "draft", k=3, draft=tiny_llama, spec=spec, prefill_chunk_size=128)

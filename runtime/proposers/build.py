@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mlc_spec.errors import UserError
 
+from ..kv_cache import NO_TREES
 from ..model import Model
 from ..params import EngineConfig, SpeculativeConfig
 from ..tokenizer import Tokenizer
@@ -36,6 +37,8 @@ def build_proposer(
         )
     if spec.draft_tree_width > 1 and draft_model is None:
         raise UserError("draft trees (draft_tree_width > 1) need draft_model")
+    if spec.draft_tree_width > 1 and not target.verifies_trees:
+        raise UserError(NO_TREES)  # here, not at the first tree a running request would draft
     methods = spec.methods(draft_model is not None)
     proposers: dict[str, Proposer] = {}
     for m in methods:  # ``draft`` comes before ``draft_tree``, the view of its trees
