@@ -88,9 +88,11 @@ def metrics(url: str) -> dict[str, float]:
 class ServeProcess:
     """``mlc-spec serve`` as users run it: its own process, its signal handling, its exit code."""
 
-    def __init__(self, artifact, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, artifact, *args: str, env: dict[str, str | None] | None = None):
+        """``env``: over this process's environment (a variable set to None: left out)."""
         serve_args = ["--model", str(artifact), "--served-model-name", "tiny", *args]
         env = {"TVM_NUM_THREADS": "2", **os.environ, **(env or {})}
+        env = {k: v for k, v in env.items() if v is not None}
         # Its log goes to a file: a pipe nobody reads until the end would fill and block it.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
         self.process, base, self.announced = start_server(serve_args, env, stderr=self.log)

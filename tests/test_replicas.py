@@ -22,7 +22,16 @@ class Replicas:
     """``mlc-spec serve --replicas 2`` as a user starts it, with its replicas' URLs and PIDs."""
 
     def __init__(self, artifact, *args: str):
-        self.served = ServeProcess(artifact, "--replicas", "2", "--threads-per-replica", "1", *args)
+        # As a user's shell has it: not the test workers' TVM_BIND_THREADS (conftest.py)
+        self.served = ServeProcess(
+            artifact,
+            "--replicas",
+            "2",
+            "--threads-per-replica",
+            "1",
+            *args,
+            env={"TVM_BIND_THREADS": None},
+        )
         self.url = self.served.url
         self.workers = re.findall(r"http://127\.0\.0\.1:\d+", self.served.announced)[:2]
 
@@ -85,6 +94,11 @@ def _serve_64_streams_and_a_shared_prefix(replicas: Replicas, tiny_llama) -> Non
         sync.completions.create(model="tiny", prompt=f"{prefix} {tail}", max_tokens=2)
     hits = [metrics(w)["mlc_spec:prefix_cache_hits_total"] for w in replicas.workers]
     assert max(hits) >= 3 * 64 and min(hits) < 64, hits
+    # One thread each, and still free to run on any core: TVM pins a pool of one to core 0
+    # (both replicas on one core of a 2-core machine) unless told not to.
+    for pid in replicas.replica_pids():
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            assert os.sched_getaffinity(int(task.name)) == os.sched_getaffinity(0), task
 
 
 def test_a_killed_replica_fails_its_streams_cleanly_and_the_other_serves(tiny_llama):
