@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 import tvm
+from filelock import FileLock
 
 from mlc_spec.runtime.artifact import FORMAT_VERSION
 
@@ -64,15 +65,21 @@ def compiled(
     head += f"-vocab{lm_head_vocab}" if lm_head_vocab is not None else ""
     kind = f"{cpu}-{quantization}-{activations}{layers}{head}"
     artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}-{_this_code()}"
-    if not artifact.exists():
-        options = CompileOptions(
-            quantization=quantization,
-            activations=activations,
-            lm_head=lm_head,
-            lm_head_vocab=lm_head_vocab,
-            num_layers=num_layers,
-        )
-        compile_model(fetch(name), "llvm", artifact, options, show_progress=show_progress)
+    if artifact.exists():
+        return artifact
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    # Two first runs side by side: one compiles, the other waits and finds the artifact whole
+    # (without the lock, its own staged copy could not be renamed onto the first one's).
+    with FileLock(f"{artifact}.lock"):
+        if not artifact.exists():
+            options = CompileOptions(
+                quantization=quantization,
+                activations=activations,
+                lm_head=lm_head,
+                lm_head_vocab=lm_head_vocab,
+                num_layers=num_layers,
+            )
+            compile_model(fetch(name), "llvm", artifact, options, show_progress=show_progress)
     return artifact
 
 

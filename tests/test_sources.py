@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import multiprocessing
+import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -443,3 +446,33 @@ def test_cached_artifacts_are_keyed_on_the_compiler_code(tmp_path):
         (tmp_path / name).write_text("x = 2\n")
         assert code_digest(tmp_path) != before
         before = code_digest(tmp_path)
+
+
+def test_two_first_runs_side_by_side_compile_a_cached_artifact_once(tmp_path, monkeypatch):
+    """Two processes asking for the same uncached artifact: one compiles, the other waits for it
+    (without the lock, its staged copy cannot be renamed onto the first one's and it fails)."""
+    from mlc_spec.compiler import cache
+    from mlc_spec.compiler.staging import staged
+
+    def compile_model(source, target, out, options, show_progress):
+        with staged(out) as staging:
+            (tmp_path / f"compiled-by-{os.getpid()}").touch()
+            time.sleep(0.5)
+            (staging / "model.so").write_text("")
+        return out
+
+    monkeypatch.setattr(cache, "artifacts_dir", lambda: tmp_path / "artifacts")
+    monkeypatch.setattr(cache, "fetch", lambda name: tmp_path / f"{name}.gguf")
+    monkeypatch.setattr(cache, "compile_model", compile_model)
+
+    def first_run() -> None:
+        os._exit(0 if cache.compiled("smollm2-135m-instruct", activations="int8").exists() else 1)
+
+    context = multiprocessing.get_context("fork")
+    runs = [context.Process(target=first_run) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(30)
+    assert [run.exitcode for run in runs] == [0, 0]
+    assert len(list(tmp_path.glob("compiled-by-*"))) == 1
