@@ -36,6 +36,7 @@ from .speculation import (
     AcceptanceEstimator,
     Attended,
     Candidate,
+    Coverage,
     GoodputPolicy,
     StepCosts,
     StepShape,
@@ -149,6 +150,9 @@ class Scheduler:
         self.proposers = proposer.by_method() if proposer else {}
         self.acceptance = {m: AcceptanceEstimator() for m in self.proposers}
         self.costs = costs
+        # Where a draft model drafts beside a model-free proposer: how much text that one covers.
+        self.coverage = Coverage()
+        self._beside_free = {m: self._free_beside_model(m) for m in self.proposers}
         self.policy = GoodputPolicy()
         self.speculation_log = SpeculationLog()
         # The chunk budget in time, from what chunks added to plain steps (which it reads by
@@ -294,6 +298,7 @@ class Scheduler:
         if seq.finished:
             for estimator in self.acceptance.values():
                 estimator.forget(seq.seq_id)
+            self.coverage.forget(seq.seq_id)
 
     # ---- prefill ------------------------------------------------------------------------
     def _prefilling(self) -> list[Sequence]:
@@ -441,10 +446,19 @@ class Scheduler:
         chance = self.proposers[method].chance(seq)
         return self.acceptance[method].estimate(seq.seq_id, chance)
 
+    def _is_free(self, method: str) -> bool:
+        return self.proposers[method].costs is self.costs.free
+
+    def _free_beside_model(self, method: str) -> bool:
+        """Whether ``method`` is a draft model beside a model-free proposer, whose catch-ups
+        serve only the text that one leaves it."""
+        return not self._is_free(method) and any(map(self._is_free, self.proposers))
+
     def _candidate(self, seq: Sequence, method: str, cap: int, automatic: bool) -> Candidate:
         """``seq`` drafting with ``method``'s proposer, up to what it has to offer."""
         proposer = self.proposers[method]
         most = proposer.available(seq, cap) if cap else 0
+        beside = self._beside_free[method] and seq.params.speculative_method is None
         return Candidate(
             cap=most,
             pinned=None if automatic else most,
@@ -452,9 +466,10 @@ class Scheduler:
             catch_up=proposer.catch_up(seq) if most else 0,
             tokens_left=seq.tokens_left,
             context=seq.kv_len,
-            free=proposer.costs is self.costs.free,
+            free=self._is_free(method),
             calibration=self.acceptance[method].calibration(),
             width=proposer.width,
+            served=1.0 - self.coverage.share(seq.seq_id) if beside else 1.0,
         )
 
     def _preempt_newest(self) -> Request:
@@ -516,6 +531,9 @@ class Scheduler:
                 self.acceptance[plan.methods[i]].observe(
                     seq.seq_id, -(-k // width), a, plan.acceptance[i]
                 )
+            if any(self._beside_free.values()):
+                covered = bool(k) and self._is_free(plan.methods[i])
+                self.coverage.observe(seq.seq_id, a + 1, covered)
             seq.stats.record_choice(plan.num_draft[i])
 
     def record_step(
@@ -565,6 +583,7 @@ class Scheduler:
                 m: {"prior": e.prior(), "per_position": e.per_position()}
                 for m, e in self.acceptance.items()
             },
+            "model_free_share": self.coverage.engine_share(),
             "costs": self.costs.to_dict(),
         }
 

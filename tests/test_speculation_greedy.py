@@ -85,6 +85,35 @@ def test_auto_is_lossless_with_both_proposers_in_one_step(target, tiny_llama_dra
     assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
 
 
+def test_beside_suffix_decoding_a_draft_model_is_priced_for_the_text_left_to_it(
+    target, tiny_llama_draft, reference
+):
+    """Method auto, the same requests twice: the second time suffix decoding drafts the answers
+    from their first copies, and the share of text it drafted rises. A new request's draft-model
+    candidate then expects to draft only the rest (its catch-up spread over that); one whose
+    request pins the draft model drafts all of it."""
+    llm = LLM(
+        target.artifact, draft_model=tiny_llama_draft.artifact, speculative={"method": "auto"}
+    )
+    scheduler = llm.engine.scheduler
+    assert _token_ids(llm, _prompts()) == reference
+    first = scheduler.coverage.engine_share()
+    assert _token_ids(llm, _prompts()) == reference
+    share = scheduler.coverage.engine_share()
+    assert share > first + 0.2, (first, share)
+    pinned = dataclasses.replace(GREEDY, speculative_method="draft")
+    seqs = [
+        llm.engine.add_request(_prompts()[0], params).sequences[0] for params in (GREEDY, pinned)
+    ]
+    candidates = [scheduler._candidate(seq, "draft", 3, automatic=True) for seq in seqs]
+    assert candidates[0].served == pytest.approx(1 - share)
+    assert candidates[1].served == 1.0
+    assert scheduler._candidate(seqs[0], "suffix", 3, automatic=True).served == 1.0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.engine.kv.available_pages() == llm.engine.capacity_pages
+
+
 def test_the_policy_chooses_chains_and_trees_per_sequence(target, tiny_llama_draft, reference):
     """A tree width with automatic k: each sequence drafts a chain or a tree of the draft
     model, as its request pins or the policy chooses per step, beside suffix decoding (method

@@ -15,6 +15,7 @@ from mlc_spec.runtime.speculation import (
     Attention,
     Candidate,
     CostTable,
+    Coverage,
     DraftCosts,
     GoodputPolicy,
     RunningMean,
@@ -561,6 +562,42 @@ def test_the_policy_picks_each_sequences_proposer_by_goodput():
     # Nothing drafts where neither pays: the plain decode path.
     decision, _ = policy.choose_methods([options(0.05, 0.05)], step)
     assert decision.num_draft == [0]
+
+
+def test_beside_suffix_decoding_a_catch_up_is_spread_over_what_it_leaves_the_draft():
+    """A new reply with no suffix match: the draft model must first read a 192-token prompt
+    (0.23 s). Spread over the 128 tokens the reply has left, that pays at acceptance 0.9. Where
+    suffix decoding is expected to draft 90% of the reply, the catch-up serves ~13 tokens and
+    the plain decode path is faster."""
+    step = auto_costs()
+
+    def chosen(served: float) -> tuple[list[int], list[str]]:
+        draft = Candidate(cap=K, pinned=None, acceptance=0.9, catch_up=192, tokens_left=128)
+        draft.served = served
+        suffix = Candidate(cap=0, pinned=None, acceptance=0.9, free=True)
+        decision, methods = GoodputPolicy().choose_methods(
+            [{"draft": draft, "suffix": suffix}], step
+        )
+        return decision.num_draft, methods
+
+    assert chosen(1.0)[0][0] > 0 and chosen(1.0)[1] == ["draft"]
+    assert chosen(0.1)[0] == [0]
+
+
+def test_coverage_is_the_share_of_text_the_model_free_proposer_drafted():
+    """Per sequence, against the engine-wide share as a prior, and following the text: a run
+    of plain steps after copied text brings the share down within a few steps."""
+    coverage = Coverage()
+    assert coverage.share(1) == 0.0  # no evidence: a draft model's catch-up serves it all
+    for _ in range(10):
+        coverage.observe(1, 6, covered=True)
+    assert coverage.share(1) > 0.95
+    assert coverage.share(2) > 0.95  # a new sequence starts from the engine's share
+    for _ in range(10):
+        coverage.observe(1, 1, covered=False)
+    assert coverage.share(1) < 0.7
+    coverage.forget(1)
+    assert coverage.share(1) == coverage.share(2)
 
 
 def test_the_policy_mixes_proposers_in_a_batch():

@@ -12,6 +12,7 @@ from .costs import (
     StepCosts,
     StepShape,
 )
+from .coverage import Coverage
 from .policy import Candidate, Decision, GoodputPolicy, expected_tokens
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "AcceptanceEstimator",
     "Candidate",
     "CostTable",
+    "Coverage",
     "Decision",
     "DraftCosts",
     "GoodputPolicy",

@@ -15,8 +15,9 @@ ends the search within a few drafts, instead of one prediction per draft the bat
 
 A draft model must first read what a sequence made while it did not draft (its prompt, at the
 start). That one-time cost serves the rest of the reply, so each token the sequence emits while
-drafting carries its share: the cost over the tokens it has left. A short reply after a long
-prompt then starts drafting only if its acceptance pays for the catch-up too.
+drafting carries its share: the cost over the tokens it has left (beside a model-free proposer,
+over those that one is not expected to draft). A short reply after a long prompt then starts
+drafting only if its acceptance pays for the catch-up too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Candidate:
     # Its proposer's calibration (``AcceptanceEstimator.calibration``); None: the batch's.
     calibration: Sequence[float] | None = None
     width: int = 1  # drafts per position: a draft tree's nodes per depth
+    # The share of its next tokens this proposer would draft for: a draft model beside a
+    # model-free proposer drafts only the text that one leaves it (``Coverage``).
+    served: float = 1.0
 
 
 @dataclasses.dataclass
@@ -82,7 +86,10 @@ class GoodputPolicy:
         calibrations = [calibration if c.calibration is None else c.calibration for c in batch]
         # Per sequence: its catch-up's whole cost, and that cost per token it has left.
         once = [0.0 if c.free else costs.draft.catch_up_seconds(c.catch_up) or 0.0 for c in batch]
-        share = [once[i] / max(1, min(c.tokens_left, HORIZON_TOKENS)) for i, c in enumerate(batch)]
+        share = [
+            once[i] / max(1.0, c.served * min(c.tokens_left, HORIZON_TOKENS))
+            for i, c in enumerate(batch)
+        ]
         emitted = [
             expected_tokens(c.acceptance, k, cal)
             for c, k, cal in zip(batch, num_draft, calibrations, strict=True)
