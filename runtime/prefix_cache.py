@@ -37,6 +37,9 @@ class PrefixCache:
         self._root = _Node(-1, None, ())
         self._clock = itertools.count(1)
         self._by_page: dict[int, _Node] = {}
+        # [page]: whether the cache holds it, for ``evictable`` to find the ones in use without
+        # a walk over every cached page in Python (~0.15 ms a step with thousands cached).
+        self._cached = np.zeros(0, bool)
 
     @property
     def num_pages(self) -> int:
@@ -64,6 +67,11 @@ class PrefixCache:
             if child is None:
                 child = node.children[chunk] = self._by_page[page] = _Node(page, node, chunk)
                 added.append(page)
+                if page >= len(self._cached):
+                    grown = np.zeros(max(page + 1, 2 * len(self._cached)), bool)
+                    grown[: len(self._cached)] = self._cached
+                    self._cached = grown
+                self._cached[page] = True
             child.last_used = now
             node = child
         return added
@@ -75,14 +83,14 @@ class PrefixCache:
         ancestors stay, the rest can go."""
         if not self._by_page:
             return 0
-        pages = np.fromiter(self._by_page, np.int64, len(self._by_page))
         kept: set[int] = set()
-        for page in pages[refs[pages] > 1].tolist():
+        in_use = self._cached[: len(refs)] & (refs[: len(self._cached)] > 1)
+        for page in np.flatnonzero(in_use).tolist():
             node = self._by_page[page]
             while node is not self._root and node.page not in kept:
                 kept.add(node.page)
                 node = node.parent
-        return len(pages) - len(kept)
+        return len(self._by_page) - len(kept)
 
     def evict(self, count: int, refs: np.ndarray) -> list[int]:
         """Drop up to ``count`` pages that only the cache holds, least recently used leaves
@@ -97,6 +105,7 @@ class PrefixCache:
             for leaf in leaves[: count - len(dropped)]:
                 del leaf.parent.children[leaf.tokens]
                 del self._by_page[leaf.page]
+                self._cached[leaf.page] = False
                 dropped.append(leaf.page)
         return dropped
 

@@ -44,6 +44,41 @@ def test_eviction_takes_unused_leaves_least_recently_used_first():
     assert cache.match(list(range(200, 204))) == [5]
 
 
+def test_evictable_pages_match_a_walk_over_the_whole_tree():
+    """Random stores, uses and evictions (pages going back to sequences after): the pages
+    eviction could take back are those whose subtree no sequence uses, as a walk over every
+    cached page finds them."""
+    rng = np.random.default_rng(0)
+    cache, refs = PrefixCache(PAGE), np.zeros(64, np.int32)
+    free = list(range(64))
+    for _ in range(300):
+        if rng.random() < 0.5 and len(free) >= 3:
+            tokens = rng.integers(0, 3, PAGE * 3).tolist()  # 3 symbols: chains share prefixes
+            pages = [free.pop() for _ in range(3)]
+            for page in pages:
+                refs[page] = 1
+            stored = cache.store(tokens, pages)
+            free += [p for p in pages if p not in stored]
+        else:
+            evicted = cache.evict(int(rng.integers(1, 3)), refs)
+            refs[evicted] = 0
+            free += evicted
+        unused = np.array(free, int)
+        refs[unused] = 0
+        refs[rng.choice(unused, min(len(free), 4), replace=False)] = 2  # sequences' own pages
+        cached = np.array(list(cache._by_page), int)
+        refs[cached] = 1
+        refs[rng.choice(cached, min(len(cached), 3), replace=False)] = 2  # in use
+        in_use = {int(p) for p in cached if refs[p] > 1}
+        kept = set()
+        for page in in_use:
+            node = cache._by_page[page]
+            while node.page != -1:
+                kept.add(node.page)
+                node = node.parent
+        assert cache.evictable(refs) == len(cached) - len(kept)
+
+
 def _prompts() -> list[list[int]]:
     """Six prompts sharing a 40-token prefix (2.5 pages of 16), each with its own tail."""
     shared = list(np.random.default_rng(0).integers(3, VOCAB, 40))
