@@ -525,13 +525,14 @@ class Scheduler:
         accepted = [len(path) for path in kept]
         for estimator in self.acceptance.values():
             estimator.fade([s.seq_id for s in seqs])
+        track_coverage = any(self._beside_free.values())
         for seq, k, a, i in zip(seqs, num_draft, accepted, rows, strict=True):
             if k:  # a tree's acceptance is by depth, as its chance to be emitted is priced
                 width = self.proposers[plan.methods[i]].width
                 self.acceptance[plan.methods[i]].observe(
                     seq.seq_id, -(-k // width), a, plan.acceptance[i]
                 )
-            if any(self._beside_free.values()):
+            if track_coverage:
                 covered = bool(k) and self._is_free(plan.methods[i])
                 self.coverage.observe(seq.seq_id, a + 1, covered)
             seq.stats.record_choice(plan.num_draft[i])

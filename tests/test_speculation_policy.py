@@ -572,8 +572,9 @@ def test_beside_suffix_decoding_a_catch_up_is_spread_over_what_it_leaves_the_dra
     step = auto_costs()
 
     def chosen(served: float) -> tuple[list[int], list[str]]:
-        draft = Candidate(cap=K, pinned=None, acceptance=0.9, catch_up=192, tokens_left=128)
-        draft.served = served
+        draft = Candidate(
+            cap=K, pinned=None, acceptance=0.9, catch_up=192, tokens_left=128, served=served
+        )
         suffix = Candidate(cap=0, pinned=None, acceptance=0.9, free=True)
         decision, methods = GoodputPolicy().choose_methods(
             [{"draft": draft, "suffix": suffix}], step
