@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Iterable
 
 from .chunk_sizer import ChunkSizer
@@ -35,6 +36,7 @@ from .request import Request, Sequence, Status
 from .speculation import (
     AcceptanceEstimator,
     Attended,
+    Backoff,
     Candidate,
     Coverage,
     GoodputPolicy,
@@ -154,6 +156,7 @@ class Scheduler:
         self.coverage = Coverage()
         self._beside_free = {m: self._free_beside_model(m) for m in self.proposers}
         self.policy = GoodputPolicy()
+        self.backoff = Backoff()
         self.speculation_log = SpeculationLog()
         # The chunk budget in time, from what chunks added to plain steps (which it reads by
         # rows from ``costs.decode``).
@@ -389,7 +392,8 @@ class Scheduler:
         """The sequences to advance and their draft counts, and the requests preempted for
         them. The newest requests are preempted until a step at every sequence's draft cap fits
         in the free pages; then the policy chooses each count up to its cap, or up to what the
-        proposer has (prompt lookup may find fewer drafts, or none).
+        proposer has (prompt lookup may find fewer drafts, or none), unless the batch rests
+        after a decline (``Backoff``).
 
         ``chunk_waits``: a prompt chunk rides in this step's pass if the step is plain. A draft
         would cost the chunk a pass of its own, a second read of every weight, which the
@@ -409,20 +413,29 @@ class Scheduler:
             plan = StepPlan(seqs, [0] * len(seqs), [], None, len(seqs), contexts=contexts)
             return plan, preempted
         automatic = [self.pinned_k(s.params) is None for s in seqs]
-        caps = [0 if a and chunk_waits else c for a, c in zip(automatic, caps, strict=True)]
+        ids = [s.seq_id for s in seqs]
+        unweighed = chunk_waits or (any(automatic) and self.backoff.resting(ids))
+        caps = [0 if a and unweighed else c for a, c in zip(automatic, caps, strict=True)]
         if not any(caps):
             # Nothing for the policy to choose: speculation is off for every sequence, or a
-            # chunk waits and every sequence is automatic (as under load in the server, where
-            # choosing among nothing cost 0.3 ms a step, ~3% of SmolLM2's 8-row step).
+            # chunk waits or the batch rests (``Backoff``) and every sequence is automatic (as
+            # under load in the server, where choosing among nothing cost 0.3 ms a step, ~3%
+            # of SmolLM2's 8-row step).
             plain = self.costs.predict(StepShape(len(seqs), attended=Attended.of(contexts)))
             estimates = [self._estimate(s, self._methods(s)[0]) for s in seqs]
             plan = StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs), contexts=contexts)
             return plan, preempted
+        start = time.perf_counter()
         options = [
             {m: self._candidate(seq, m, cap, auto) for m in self._methods(seq)}
             for seq, cap, auto in zip(seqs, caps, automatic, strict=True)
         ]
         decision, methods = self.policy.choose_methods(options, self.costs)
+        if any(automatic) and not unweighed:
+            drafted = any(k for k, a in zip(decision.num_draft, automatic, strict=True) if a)
+            self.backoff.weighed(
+                ids, drafted, time.perf_counter() - start, decision.predicted_seconds
+            )
         for seq, method in zip(seqs, methods, strict=True):
             seq.draft_method = method
         plan = StepPlan(
@@ -585,6 +598,7 @@ class Scheduler:
                 for m, e in self.acceptance.items()
             },
             "model_free_share": self.coverage.engine_share(),
+            "rested_steps": self.backoff.rested_steps,
             "costs": self.costs.to_dict(),
         }
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mlc_spec.runtime.speculation import Candidate, Decision, StepCosts
+from mlc_spec.runtime.speculation import Candidate, Decision, StepCosts, StepShape
 
 
 class RandomK:
@@ -30,3 +30,14 @@ class RandomK:
     ) -> tuple[Decision, list[str]]:
         methods = [list(o)[int(self.rng.integers(0, len(o)))] for o in options]
         return self.choose([o[m] for o, m in zip(options, methods, strict=True)], costs), methods
+
+
+class Declines:
+    """No drafts for automatic sequences; pinned ones keep theirs."""
+
+    def choose_methods(
+        self, options: list[dict[str, Candidate]], costs: StepCosts
+    ) -> tuple[Decision, list[str]]:
+        ks = [next(iter(o.values())).pinned or 0 for o in options]
+        step = costs.predict(StepShape.of(ks, [0] * len(ks)))
+        return Decision(ks, step, float(len(ks))), [next(iter(o)) for o in options]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from policies import RandomK
+from policies import Declines, RandomK
 from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
@@ -261,3 +261,25 @@ def test_automatic_k_drafts_nothing_while_a_prompt_chunk_rides_in_the_step(tiny_
     assert after[0] == before[0] and after[1] > before[1]
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_batch_that_declines_its_drafts_is_weighed_less_often(tiny_llama, reference):
+    """Where the policy declines every draft step after step, the batch steps plain without
+    weighing them (``Backoff``), with the same tokens; a request that pinned its k drafts all
+    the same beside one that rests."""
+    llm = _llm(tiny_llama, "ngram")
+    llm.engine.scheduler.policy = Declines()
+    outputs = llm.generate(_prompts(), GREEDY)
+    assert _ids(outputs) == reference
+    steps = max(sum(o.outputs[0].spec_stats.steps_by_k) for o in outputs)
+    rested = llm.metrics()["speculation"]["rested_steps"]
+    assert steps / 2 < rested < steps
+    assert all(o.outputs[0].spec_stats.num_drafts == 0 for o in outputs)
+
+    pinned = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=2)
+    mixed = llm.generate(_prompts()[:2], [GREEDY, pinned])
+    assert _ids(mixed) == reference[:2]
+    automatic, drafting = (o.outputs[0].spec_stats for o in mixed)
+    assert automatic.num_drafts == 0 and drafting.num_drafts > 0
+    assert llm.metrics()["speculation"]["rested_steps"] - rested > sum(drafting.steps_by_k) / 2
+    _no_leak(llm)

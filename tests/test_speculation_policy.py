@@ -13,6 +13,7 @@ from mlc_spec.runtime.speculation import (
     AcceptanceEstimator,
     Attended,
     Attention,
+    Backoff,
     Candidate,
     CostTable,
     Coverage,
@@ -24,6 +25,7 @@ from mlc_spec.runtime.speculation import (
     expected_tokens,
     warm_up,
 )
+from mlc_spec.runtime.speculation.backoff import MIN_SHARE, MOST_REST
 from mlc_spec.runtime.speculation.policy import MIN_GAIN
 from mlc_spec.runtime.speculation.warm_up import COARSE_STRIDE, FINE_SIZES, sizes
 
@@ -61,7 +63,7 @@ def test_calibration_lowers_what_drafting_is_expected_to_make():
     the second (0.25 made of 0.16 expected) not above its estimate; without evidence the
     calibration drifts back to 1."""
     est = AcceptanceEstimator()
-    assert est.calibration() == []
+    assert est.calibration() == ()
     for step in range(400):
         est.fade([1])
         est.observe(1, 2, 2 if step % 4 == 0 else 0, 0.4)
@@ -622,3 +624,32 @@ def test_the_policy_mixes_proposers_in_a_batch():
         "draft",
         "suffix",
     ]
+
+
+def test_a_batch_that_declines_its_drafts_rests_before_weighing_them_again():
+    """After each step where the policy chose no draft and weighing cost more than
+    ``MIN_SHARE`` of the step, the batch goes plain for twice as many steps, up to
+    ``MOST_REST``; a step that drafts, or a cheap weighing, weighs every step again, and so
+    does a batch with a sequence new to it."""
+
+    def weighed_steps(backoff: Backoff, steps: int, drafted=False, seconds=0.1e-3) -> list[int]:
+        weighed = []
+        for step in range(steps):
+            if not backoff.resting([1, 2]):
+                weighed.append(step)
+                backoff.weighed([1, 2], drafted, seconds, step=5e-3)
+        return weighed
+
+    declines = Backoff()
+    assert weighed_steps(declines, 40) == [0, 2, 5, 10, 19, 28, 37]
+    assert declines.rest == MOST_REST and declines.rested_steps == 33
+    # A sequence leaving the batch keeps it resting; one joining it ends the rest.
+    assert declines.resting([2]) and not declines.resting([2, 3])
+    assert weighed_steps(Backoff(), 5, drafted=True) == [0, 1, 2, 3, 4]
+    assert weighed_steps(Backoff(), 5, seconds=MIN_SHARE * 5e-3) == [0, 1, 2, 3, 4]
+    weighed_steps(declines, 12)
+    declines.weighed([1, 2], True, 0.1e-3, 5e-3)
+    assert declines.rest == 0 and weighed_steps(declines, 3) == [0, 2]
+    unmeasured = Backoff()
+    unmeasured.weighed([1], False, 1.0, None)
+    assert not unmeasured.resting([1])

@@ -2,6 +2,7 @@
 and estimated acceptance."""
 
 from .acceptance import AcceptanceEstimator
+from .backoff import Backoff
 from .costs import (
     REFERENCE_CONTEXT,
     Attended,
@@ -20,6 +21,7 @@ __all__ = [
     "Attended",
     "Attention",
     "AcceptanceEstimator",
+    "Backoff",
     "Candidate",
     "CostTable",
     "Coverage",

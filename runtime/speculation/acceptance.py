@@ -57,10 +57,23 @@ class AcceptanceEstimator:
         self._own: dict[int, list[float]] = {}  # seq_id -> [accepted, rejected], fading
         self.expected: list[float] = []  # [j]: (j+1)-th drafts the estimates expected accepted
         self.made: list[float] = []  # [j]: ... and were
+        # The engine-wide prior and calibration, worked out once per change of the counts: the
+        # policy asks for them per sequence and step (16 times a step at 16 rows).
+        self._pooled: tuple[float, tuple[float, ...]] | None = None
+
+    def _engine_wide(self) -> tuple[float, tuple[float, ...]]:
+        if self._pooled is None:
+            prior = (sum(self.accepted) + OPTIMISM) / (sum(self.tested) + OPTIMISM)
+            calibration = tuple(
+                min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
+                for m, e in zip(self.made, self.expected, strict=True)
+            )
+            self._pooled = prior, calibration
+        return self._pooled
 
     def prior(self) -> float:
         """Engine-wide acceptance, pooled over positions, with ``OPTIMISM`` phantom acceptances."""
-        return (sum(self.accepted) + OPTIMISM) / (sum(self.tested) + OPTIMISM)
+        return self._engine_wide()[0]
 
     def estimate(self, seq_id: int, prior: float | None = None) -> float:
         """The sequence's own counts against a prior worth ``PRIOR_WEIGHT`` draft tokens: the
@@ -74,16 +87,14 @@ class AcceptanceEstimator:
         """Engine-wide acceptance of position j given positions before it were accepted."""
         return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tested, strict=True)]
 
-    def calibration(self) -> list[float]:
+    def calibration(self) -> tuple[float, ...]:
         """Per draft position j, what the (j+1)-th drafts made against what their estimates
         expected, at most 1; positions past the list: 1."""
-        return [
-            min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
-            for m, e in zip(self.made, self.expected, strict=True)
-        ]
+        return self._engine_wide()[1]
 
     def fade(self, seq_ids: list[int]) -> None:
         """One step passed for these sequences (whether they drafted or not)."""
+        self._pooled = None
         self.tested = [t * ENGINE_DECAY for t in self.tested]
         self.accepted = [a * ENGINE_DECAY for a in self.accepted]
         self.expected = [e * ENGINE_DECAY for e in self.expected]
@@ -99,6 +110,7 @@ class AcceptanceEstimator:
         acceptance ``estimate``."""
         if proposed == 0:
             return
+        self._pooled = None
         missing = proposed - len(self.expected)
         if missing > 0:
             self.expected += [0.0] * missing
