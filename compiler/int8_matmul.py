@@ -241,10 +241,13 @@ _INTEGER_DOTS = (
 
 
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
-# panel for up to 8 rows. On the AVX-512 Xeon measured, a spilled accumulator costs less than a
-# vector decoded again, and with the prefetches and the rows' dots advancing together 4 vectors
-# per sweep stay ahead of 2 (docs/kernels.md). AMD's keep the widths measured on Zen 4.
-_WIDE_SWEEPS = (4,) * 8
+# panel, in exact passes of up to 16 rows. On the AVX-512 Xeon measured, a spilled accumulator
+# costs less than a vector decoded again, and with the prefetches and the rows' dots advancing
+# together 4 vectors per sweep stay ahead of 2; 9-16 rows in one such pass took 0.61-0.76x the
+# time of an 8-row tile of single vectors plus the rest (a verify of 8 drafts, or several
+# sequences' drafts), and 16-row prefill tiles the time of 8-row ones (docs/kernels.md). AMD's
+# keep the widths and the 8-row passes measured on Zen 4.
+_WIDE_SWEEPS = (4,) * 16
 
 
 def integer_dot(target: Target) -> IntegerDot:
@@ -254,7 +257,7 @@ def integer_dot(target: Target) -> IntegerDot:
         if features.issuperset(needs):
             amd = str(target.attrs.get("mcpu", "")).startswith("znver")
             if dot.vnni and dot.lanes == 16 and not amd:
-                return replace(dot, widths=_WIDE_SWEEPS)
+                return replace(dot, widths=_WIDE_SWEEPS, max_rows=len(_WIDE_SWEEPS))
             return dot
     raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")
 
