@@ -241,13 +241,12 @@ _INTEGER_DOTS = (
 
 
 # AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
-# panel, in exact passes of up to 9 rows: a verify of 8 drafts in one pass. On the AVX-512 Xeon
-# measured, a spilled accumulator costs less than a vector decoded again, and with the
-# prefetches and the rows' dots advancing together 4 vectors per sweep stay ahead of 2; 9 rows
-# in one such pass took 0.61-0.69x the time of an 8-row tile of single vectors plus the rest.
-# Passes of more rows were faster still (0.70-0.76x at 16) but compile superlinearly: a Q4_K
-# kernel took 3.7 s with 8-row passes, 6.5 s with 9, 33 s with 12 and 193 s with 16
-# (docs/kernels.md). AMD's keep the widths and the 8-row passes measured on Zen 4.
+# panel, in exact passes of up to 9 rows, so that a verify of 8 drafts is one pass rather than
+# an 8-row tile of single vectors plus the rest. On the AVX-512 Xeon measured, a spilled
+# accumulator costs less than a vector decoded again, and with the prefetches and the rows'
+# dots advancing together 4 vectors per sweep stay ahead of 2. Longer passes were faster still
+# but compile time grows superlinearly with the pass (docs/kernels.md). AMD's keep the widths
+# and the 8-row passes measured on Zen 4.
 _WIDE_SWEEPS = (4,) * 9
 
 
