@@ -3,13 +3,14 @@
 With float activations, m rows cost m x (parameters) FMAs, so verifying a few draft tokens is
 compute bound at several decode steps. As llama.cpp does, this path quantizes each activation
 row in groups (symmetric int8: scale = amax / 127, codes rounded to nearest even; groups of 16
-values, ``activation_group``) and multiplies the weight codes by it with integer dot
-products: ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI), or ``vpmaddubsw`` + ``vpmaddwd`` (AVX-512BW,
-AVX2), 4 multiply-adds per 32-bit lane and instruction against an FMA's one.
+values, or a two-level format's weight group, ``activation_group``) and multiplies the weight
+codes by it with integer dot products: ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI), or ``vpmaddubsw``
++ ``vpmaddwd`` (AVX-512BW, AVX2), 4 multiply-adds per 32-bit lane and instruction against an
+FMA's one.
 
 Two kernels per linear layer, written by hand as TIR with TVM's IR builder:
 
-* ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 [M, K/16]
+* ``quantize_activations``: x [M, K] float32 -> int8 codes [M, K], scales float32 per group
   and what the matmul needs of the code sums, ready to use (``quantize_func``). For
   4-, 5- and 6-bit weights the codes of every 8 columns are stored even columns first (0, 2,
   4, 6, 1, 3, 5, 7), the order of a weight word's nibbles: the low nibbles (even k) and the high
@@ -71,17 +72,22 @@ _INT16_MAX = 32767
 _PREFETCH_L2_BYTES = 4096
 _PREFETCH_L1_BYTES = 1024
 _CACHE_LINE_BYTES = 64
-# Activations are rounded per 16 values with one scale each, finer than the weights' groups of
-# 32: llama.cpp rounds per 32 (Q8_0, Q8_1) or 256 (Q8_K), and rounded per 32 our SmolLM2 int8
-# KL from the float model only tied its own, where per 16 it is about half (docs/quantization.md,
-# "Fidelity"). Each half of a 32-weight group has its own int32 dot and one more multiply-add
-# in the epilogue; decode, which reads weights, does not notice (docs/kernels.md).
+# Activations are rounded per 16 values with one scale each before one-level weight formats,
+# finer than their groups of 32, where llama.cpp rounds per 32 (Q8_0, Q8_1): rounded per 32, our
+# SmolLM2 int8 KL from the float model only tied llama.cpp's, per 16 it is about half. Before
+# two-level formats (GGUF's K types), where llama.cpp rounds per 256 (Q8_K), per weight group:
+# already a fraction of llama.cpp's KL, and a 32-weight group then takes one int32 dot and one
+# conversion instead of two, which at 9 rows and more, where the epilogue's vector operations
+# bound the kernel, is 7-10% of a Q4_K layer's time (docs/kernels.md, docs/quantization.md).
 _ACTIVATION_GROUP = 16
 
 
 def activation_group(fmt: GroupFormat) -> int:
     """How many activation values of a row share one int8 scale before a weight in ``fmt``:
-    ``_ACTIVATION_GROUP``, or the weight group where that is smaller."""
+    the weight group for a two-level format, else ``_ACTIVATION_GROUP`` or the weight group
+    where that is smaller."""
+    if fmt.super_group:
+        return fmt.group_size
     return min(fmt.group_size, _ACTIVATION_GROUP)
 
 
@@ -271,23 +277,23 @@ class Int8Matmul:
 
     def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor:
         (n, k), fmt = weight.shape, weight.fmt
-        rows = op.reshape(x, (-1, k))
-        m, scaled = rows.shape[0], k // activation_group(fmt)
+        rows, group = op.reshape(x, (-1, k)), activation_group(fmt)
+        m, scaled = rows.shape[0], k // group
         xq, xs, xsum = op.tensor_ir_op(
-            quantize_func(k, fmt.group_size, activation_group(fmt), fmt.bits != 8, fmt.zero),
+            quantize_func(k, fmt.group_size, group, fmt.bits != 8, fmt.zero),
             f"{name}_quantize_x",
             [rows],
             [
                 nn.Tensor.placeholder((m, k), "int8"),
                 nn.Tensor.placeholder((m, scaled), "float32"),
                 nn.Tensor.placeholder(
-                    (m, _sums_count(k, fmt.group_size, activation_group(fmt), fmt.zero)),
+                    (m, _sums_count(k, fmt.group_size, group, fmt.zero)),
                     _sums_dtype(fmt.zero),
                 ),
             ],
         )
         out = op.tensor_ir_op(
-            matmul_func(self.dot, fmt, n, k, panel_width(n)),
+            matmul_func(self.dot, fmt, n, k, panel_width(n), group),
             f"{name}_int8",
             [xq, xs, xsum, *weight.tensors()],
             nn.Tensor.placeholder((m, n), "float32"),
@@ -372,11 +378,13 @@ def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) 
 
 
 @cache
-def matmul_func(dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -> tirx.PrimFunc:
-    """out [M, n] float32 from ``quantize_func``'s outputs and a weight [n, k] in panels of
-    ``panel`` rows in format ``fmt``: one kernel, branching on M over the row tiles
-    (``_Kernel.dispatch``)."""
-    shape = _Shape.of(dot, fmt, n, k, panel)
+def matmul_func(
+    dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int, group: int | None = None
+) -> tirx.PrimFunc:
+    """out [M, n] float32 from ``quantize_func``'s outputs (activations rounded per ``group``
+    values; default ``activation_group(fmt)``) and a weight [n, k] in panels of ``panel`` rows
+    in format ``fmt``: one kernel, branching on M over the row tiles (``_Kernel.dispatch``)."""
+    shape = _Shape.of(dot, fmt, n, k, panel, group or activation_group(fmt))
     with IRBuilder() as ib, scheduled_prim_func():
         kernel = _Kernel(dot, fmt, shape, _Params.declare(fmt, shape, n, k))
         with T.sblock("root"):
@@ -391,7 +399,7 @@ _Index = tirx.Expr | int  # a loop variable, an expression of them, or a constan
 class _Shape:
     """The static shape of one kernel: ``lanes`` per vector, ``panels`` panels of
     ``panel_rows`` rows, ``groups`` groups along k, ``words`` code words (uint32) per group and
-    row, ``split`` activation groups (``activation_group``) per group."""
+    row, ``split`` activation groups of ``scaled`` values per group."""
 
     lanes: int
     panel_rows: int
@@ -399,12 +407,15 @@ class _Shape:
     groups: int
     words: int
     split: int
+    scaled: int
 
     @classmethod
-    def of(cls, dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int) -> _Shape:
+    def of(
+        cls, dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int, group: int
+    ) -> _Shape:
         words = fmt.group_size * fmt.bits // 32
-        split = fmt.group_size // activation_group(fmt)
-        return cls(dot.lanes, panel, n // panel, k // fmt.group_size, words, split)
+        split = fmt.group_size // group
+        return cls(dot.lanes, panel, n // panel, k // fmt.group_size, words, split, group)
 
     @property
     def vectors(self) -> int:
@@ -435,7 +446,7 @@ class _Params:
         groups, per_group = shape.groups, (shape.panels, shape.groups, shape.panel_rows)
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
         xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * shape.split), "float32")
-        sums = (m, _sums_count(k, fmt.group_size, activation_group(fmt), fmt.zero))
+        sums = (m, _sums_count(k, fmt.group_size, shape.scaled, fmt.zero))
         xsum = T.match_buffer(T.arg("xsum", T.handle()), sums, _sums_dtype(fmt.zero))
         words = (shape.panels, groups * shape.words, shape.panel_rows)
         codes = T.arg("codes", T.buffer(words, "uint32"))
@@ -560,7 +571,7 @@ class _Kernel:
         scale, offset = self.scale_offset(p, g, lane0)
         scale = T.Bind(scale)
         offset = T.Bind(offset) if offset is not None else None
-        scaled = activation_group(self.fmt)
+        scaled = self.shape.scaled
         sums = []  # [activation group][row]
         for h in range(split):
             a = g * split + h

@@ -11,6 +11,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from mlc_spec.compiler import int8_matmul
 from mlc_spec.compiler.int8_matmul import (
     Int8Matmul,
     activation_group,
@@ -45,6 +46,10 @@ FORMATS = [GroupFormat(4, 32), GroupFormat(8, 16, True), *INT8_ONLY]
 FORMATS += [f.portable for f in TWINNED]
 # (int8-only, its twin) layer indices.
 PAIRS = [(2 + i, 2 + len(INT8_ONLY) + i) for i in range(len(TWINNED))]
+# A twin is read with its int8-only format's activation groups, so that the two must agree bit
+# for bit: a two-level Q4_K rounds per 32 where a one-level q4g32a (as from Q4_1) rounds per 16.
+# Compiled models never read a twin with int8 activations (they keep the int8-only formats).
+TWIN_GROUPS = {f.portable: activation_group(f) for f in TWINNED}
 # Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
 # The instruction sets named in the tests: AVX2 (vpmaddubsw), AVX-512BW (vpmaddubsw, 16 lanes).
@@ -61,13 +66,12 @@ def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(g * inv[..., None]).astype(np.int64), amax / np.float32(127)
 
 
-def reference(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
-    """x @ W.T with x quantized as the kernel does it, per activation group (16 values, or the
-    weight group where smaller): exact integer dots per activation group, then
+def reference(x: np.ndarray, w: QuantizedTensor, group: int) -> np.ndarray:
+    """x @ W.T with x quantized as the kernel does it, per activation group of ``group``
+    values: exact integer dots per activation group, then
     (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
     w = to_portable(w)
     fmt = w.fmt
-    group = activation_group(fmt)
     q, xs = quantize_rows(x, group)
     n, k = w.shape
     codes = unpack_codes(w.codes, fmt.bits).astype(np.int64).reshape(n, -1, group)
@@ -126,8 +130,11 @@ def _inputs(rows: int, rng: np.random.Generator) -> np.ndarray:
 @pytest.mark.parametrize(
     "cpu", ["native", "x86-64-v3", pytest.param("x86-64-v4", marks=pytest.mark.heavy)]
 )
-def test_int8_matmul_matches_numpy(cpu):
+def test_int8_matmul_matches_numpy(cpu, monkeypatch):
     """native: VNNI where this CPU has it; x86-64-v3: AVX2 vpmaddubsw; x86-64-v4: AVX-512BW."""
+    own = int8_matmul.activation_group
+    monkeypatch.setattr(int8_matmul, "activation_group", lambda f: TWIN_GROUPS.get(f) or own(f))
+    groups = [int8_matmul.activation_group(f) for f in FORMATS]
     target = make_target("llvm", cpu=cpu)
     if not set(vector_features(target)) <= set(vector_features(make_target("llvm"))):
         pytest.skip(f"this CPU cannot run {cpu} code")
@@ -153,7 +160,9 @@ def test_int8_matmul_matches_numpy(cpu):
     for rows in ROWS:
         x = _inputs(rows, rng)
         out = vm["forward"](tvm.runtime.tensor(x), *params).numpy()
-        ref = np.concatenate([reference(x, w) for w in weights], axis=-1)
+        ref = np.concatenate(
+            [reference(x, w, g) for w, g in zip(weights, groups, strict=True)], axis=-1
+        )
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=rows)
         outs = out.reshape(rows, len(FORMATS), N)
         for two, one in PAIRS:

@@ -84,7 +84,7 @@ def fake_quantize_activations(
     """``model`` with the input of every linear layer quantized to int8 per row and group of
     ``group`` and back (scale amax / 127, round half to even): the float model that an
     ``--activations int8`` artifact of it computes with integer dot products, which round per
-    16 values where the weights' groups are no smaller (``int8_matmul.activation_group``). A
+    16 values, or per weight group before two-level formats (``int8_matmul.activation_group``). A
     mapping gives each layer (by module name) its own group; layers it does not name keep float
     inputs, as float weights do."""
 
