@@ -31,7 +31,8 @@ class Int8Fidelity:
 # Keyed by the GGUF's sha256 (pypi_models.MODELS[...].sha256), so that the same file reached by
 # a path gets the same default. Figures: docs/quantization.md, "Fidelity: int8 activations
 # against llama.cpp's own" (HumanEval 16 x 512 tokens, 4080 positions; llama.cpp's figure is
-# what it prints, to 6 decimals). Ours round activations per 16 values.
+# what it prints, to 6 decimals). Ours round activations per 16 values, per 32 before Q4_K
+# (``int8_matmul.activation_group``).
 MEASURED: dict[str, Int8Fidelity] = {
     # Q4_1 + Q8_0: llama.cpp rounds activations per 32 (Q8_1, Q8_0).
     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53": Int8Fidelity(
