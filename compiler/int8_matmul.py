@@ -278,14 +278,14 @@ class Int8Matmul:
     def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor:
         (n, k), fmt = weight.shape, weight.fmt
         rows, group = op.reshape(x, (-1, k)), activation_group(fmt)
-        m, scaled = rows.shape[0], k // group
+        m, scales = rows.shape[0], k // group
         xq, xs, xsum = op.tensor_ir_op(
             quantize_func(k, fmt.group_size, group, fmt.bits != 8, fmt.zero),
             f"{name}_quantize_x",
             [rows],
             [
                 nn.Tensor.placeholder((m, k), "int8"),
-                nn.Tensor.placeholder((m, scaled), "float32"),
+                nn.Tensor.placeholder((m, scales), "float32"),
                 nn.Tensor.placeholder(
                     (m, _sums_count(k, fmt.group_size, group, fmt.zero)),
                     _sums_dtype(fmt.zero),
