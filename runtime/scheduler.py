@@ -150,7 +150,9 @@ class Scheduler:
         self._admitted_ahead: list[Request] = []  # enter the cache at the next ``schedule``
         # The speculation policy and what it learns from, per proposer (``auto`` has two).
         self.proposers = proposer.by_method() if proposer else {}
-        self.acceptance = {m: AcceptanceEstimator() for m in self.proposers}
+        self.acceptance = {
+            m: AcceptanceEstimator(steady=p.costs.model) for m, p in self.proposers.items()
+        }
         self.costs = costs
         # Where a draft model drafts beside a model-free proposer: how much text that one covers.
         self.coverage = Coverage()

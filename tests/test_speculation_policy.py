@@ -396,6 +396,33 @@ def test_acceptance_prior_and_own_history():
     assert 0.6 < est.prior() < 0.85  # 84 accepted of 104 checked, pulled to the initial guess
 
 
+def test_a_draft_models_estimate_is_steady_and_uncalibrated():
+    """Drafts accepted at a steady 0.7 whatever their position, k=3 where a sequence's estimate
+    is above 0.7 and k=1 below: the default estimator's calibration reads its own noise (the
+    third drafts fall short of estimates that were high by chance), a draft model's
+    (``steady``) takes no calibration and its estimates scatter less around the rate."""
+    rng = np.random.default_rng(0)
+    estimates = {}
+    for steady in (False, True):
+        est, seen = AcceptanceEstimator(steady=steady), []
+        for _ in range(2000):
+            est.fade([1])
+            alpha = est.estimate(1)
+            k = 3 if alpha > 0.7 else 1
+            accepted = 0
+            while accepted < k and rng.random() < 0.7:
+                accepted += 1
+            est.observe(1, k, accepted, alpha)
+            seen.append(alpha)
+        estimates[steady] = np.array(seen[200:])
+        if steady:
+            assert est.calibration() == ()
+        else:
+            assert est.calibration()[2] < 0.9
+    assert abs(estimates[True].mean() - 0.7) < 0.03
+    assert estimates[True].std() < 0.7 * estimates[False].std()
+
+
 def test_acceptance_recovers_when_the_text_changes_character():
     est = AcceptanceEstimator()
     for _ in range(30):

@@ -26,6 +26,15 @@ before). Uncalibrated, the drafting steps of SmolLM2 int8 at 8 rows expected 5.3
 and made 4.3, and the policy drafted where a plain decode was as fast. ``calibration()[j]`` is
 the ratio of accepted to expected (j+1)-th drafts, at most 1: a correction that only ever lowers
 what drafting is expected to make keeps the policy from trusting a lucky streak.
+
+A draft model is estimated otherwise (``steady``): its acceptance is a property of the model pair
+and the kind of text, which a sequence's last few steps tell little more about than the
+engine-wide rate, so that rate weighs ``STEADY_PRIOR_WEIGHT`` draft tokens, and no calibration
+applies. A draft model's later drafts are accepted about as often as its first (given the ones
+before), so there is no position effect to correct; what calibration measured for it was its own
+estimates' noise (the policy drafts more where an estimate is high by chance), and lowering every
+estimate for that, a new sequence's included, kept automatic k well below a fixed k on chat text
+(the Qwen pair, 2026-11-28: docs/benchmarks.md, serving).
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ SEQUENCE_DECAY = 0.8
 ENGINE_DECAY = 0.995
 # The engine-wide prior counts as this many draft tokens against a sequence's own evidence.
 PRIOR_WEIGHT = 2.0
+# ... for a draft model (``steady``): its estimates then follow a sequence's own run of
+# rejections less, and draw less of the policy's drafting to where they are high by chance.
+STEADY_PRIOR_WEIGHT = 8.0
 # Phantom accepted draft tokens in the engine-wide rate. Before any evidence the rate is 1, so
 # the policy drafts wherever drafting could pay at all. A realistic guess does not do: at 0.7 the
 # Qwen 1.5B/0.5B pair (int8 activations, batch 1) never drafted, though it accepts 80-100% of
@@ -51,7 +63,8 @@ CALIBRATION_PRIOR = 4.0
 
 
 class AcceptanceEstimator:
-    def __init__(self) -> None:
+    def __init__(self, steady: bool = False) -> None:
+        self.steady = steady  # a draft model's: a stronger prior and no calibration
         self.tested: list[float] = []  # [j]: draft tokens at position j that were checked
         self.accepted: list[float] = []  # [j]: ... and accepted
         self._own: dict[int, list[float]] = {}  # seq_id -> [accepted, rejected], fading
@@ -64,9 +77,13 @@ class AcceptanceEstimator:
     def _engine_wide(self) -> tuple[float, tuple[float, ...]]:
         if self._pooled is None:
             prior = (sum(self.accepted) + OPTIMISM) / (sum(self.tested) + OPTIMISM)
-            calibration = tuple(
-                min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
-                for m, e in zip(self.made, self.expected, strict=True)
+            calibration = (
+                ()
+                if self.steady
+                else tuple(
+                    min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
+                    for m, e in zip(self.made, self.expected, strict=True)
+                )
             )
             self._pooled = prior, calibration
         return self._pooled
@@ -76,12 +93,13 @@ class AcceptanceEstimator:
         return self._engine_wide()[0]
 
     def estimate(self, seq_id: int, prior: float | None = None) -> float:
-        """The sequence's own counts against a prior worth ``PRIOR_WEIGHT`` draft tokens: the
-        proposer's own estimate for its drafts where it has one (suffix decoding's match
-        statistics), else the engine-wide rate."""
+        """The sequence's own counts against a prior worth ``PRIOR_WEIGHT`` draft tokens
+        (``STEADY_PRIOR_WEIGHT`` for a draft model): the proposer's own estimate for its drafts
+        where it has one (suffix decoding's match statistics), else the engine-wide rate."""
         accepted, rejected = self._own.get(seq_id, (0.0, 0.0))
         prior = self.prior() if prior is None else prior
-        return (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
+        weight = STEADY_PRIOR_WEIGHT if self.steady else PRIOR_WEIGHT
+        return (accepted + weight * prior) / (accepted + rejected + weight)
 
     def per_position(self) -> list[float]:
         """Engine-wide acceptance of position j given positions before it were accepted."""
@@ -89,7 +107,7 @@ class AcceptanceEstimator:
 
     def calibration(self) -> tuple[float, ...]:
         """Per draft position j, what the (j+1)-th drafts made against what their estimates
-        expected, at most 1; positions past the list: 1."""
+        expected, at most 1; positions past the list: 1 (every position for a draft model)."""
         return self._engine_wide()[1]
 
     def fade(self, seq_ids: list[int]) -> None:
