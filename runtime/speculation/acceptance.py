@@ -77,13 +77,9 @@ class AcceptanceEstimator:
     def _engine_wide(self) -> tuple[float, tuple[float, ...]]:
         if self._pooled is None:
             prior = (sum(self.accepted) + OPTIMISM) / (sum(self.tested) + OPTIMISM)
-            calibration = (
-                ()
-                if self.steady
-                else tuple(
-                    min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
-                    for m, e in zip(self.made, self.expected, strict=True)
-                )
+            calibration = tuple(
+                min(1.0, (m + CALIBRATION_PRIOR) / (e + CALIBRATION_PRIOR))
+                for m, e in zip(self.made, self.expected, strict=True)
             )
             self._pooled = prior, calibration
         return self._pooled
@@ -129,14 +125,15 @@ class AcceptanceEstimator:
         if proposed == 0:
             return
         self._pooled = None
-        missing = proposed - len(self.expected)
-        if missing > 0:
-            self.expected += [0.0] * missing
-            self.made += [0.0] * missing
-        for j in range(proposed):
-            self.expected[j] += estimate ** (j + 1)
-        for j in range(accepted):
-            self.made[j] += 1
+        if not self.steady:  # a draft model's calibration stays empty: every position 1
+            missing = proposed - len(self.expected)
+            if missing > 0:
+                self.expected += [0.0] * missing
+                self.made += [0.0] * missing
+            for j in range(proposed):
+                self.expected[j] += estimate ** (j + 1)
+            for j in range(accepted):
+                self.made[j] += 1
         checked = min(accepted + 1, proposed)  # positions up to and including the first reject
         missing = checked - len(self.tested)
         if missing > 0:
