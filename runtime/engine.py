@@ -64,7 +64,7 @@ from .scheduler import (
     pages,
 )
 from .speculation import CostTable, DraftCosts, StepCosts
-from .speculation.warm_up import attention_costs, record, sizes, time_passes
+from .speculation.warm_up import LARGEST_TIMED, attention_costs, record, sizes, time_passes
 from .structured_output import Grammars, unconstrained
 from .tokenizer import Tokenizer
 
@@ -138,6 +138,10 @@ class Engine:
         if (proposer is None) != (speculative is None):
             raise ValueError("a proposer comes with its speculative config, and only with one")
         self.target, self.tokenizer, self.config = target, tokenizer, config
+        if speculative is not None:
+            per_sequence = config.prefill_chunk_size // config.max_batch_size - 1
+            max_k = speculative.max_drafts(per_sequence)
+            speculative = dataclasses.replace(speculative, max_speculative_tokens=max_k)
         self.proposer, self.speculative = proposer, speculative
         self.max_k = speculative.max_speculative_tokens if speculative else 0
         self.max_nodes = speculative.nodes(self.max_k) if speculative else 0
@@ -189,12 +193,12 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Measure the costs the policy needs before the first request: the target's decode of
-        1..B rows, its verify of 1..B(K+1) tokens of one sequence (``sizes`` of them; see
-        ``StepCosts`` for how other shapes are priced), what attending over a longer context
-        adds, and the proposer's passes."""
+        1..B rows, its verify of 1..B(K+1) tokens of one sequence (``sizes`` of them, up to
+        ``LARGEST_TIMED``; see ``StepCosts`` for how other shapes are priced), what attending
+        over a longer context adds, and the proposer's passes."""
         rows, width = self.config.max_batch_size, self.max_k + 1
         decodes = [[1] * r for r in sizes(1, rows)]
-        verifies = [[n] for n in sizes(1, rows * width)]
+        verifies = [[n] for n in sizes(1, min(rows * width, LARGEST_TIMED))]
         costs = self.scheduler.costs
         record(costs.decode, map(len, decodes), self._time("decode", decodes))
         record(costs.verify, map(sum, verifies), self._time("evaluate_multi_query", verifies))

@@ -132,6 +132,11 @@ class SamplingParams:
 # matmul's row tiles (``M_TILES`` in compiler/cpu_matmul.py, ``IntegerDot.max_rows`` in
 # compiler/int8_matmul.py).
 DEFAULT_MAX_SPECULATIVE_TOKENS = 6
+# Suffix decoding (and method auto, which has it) drafts on only while a suffix tree's branch
+# frequencies hold (``suffix_decoding_min_token_prob``) and the match is long enough, so its runs
+# are long where a reply copies text, and there acceptance is near 1: the 8th-12th drafts are
+# worth their rows (docs/benchmarks-features.md). vLLM lets it draft up to its tree depth.
+SUFFIX_MAX_SPECULATIVE_TOKENS = 12
 
 
 # The proposers a config names (``auto``: suffix and, with a draft model, draft) ...
@@ -150,7 +155,9 @@ class SpeculativeConfig:
     out: a request's own suffix tree holds its prompt). ``num_speculative_tokens`` is what
     requests that do not set their own get: ``"auto"`` (chosen per request and step from
     measured goodput) or a fixed k (0: off unless a request asks). ``max_speculative_tokens``
-    caps every request's k. ``draft_tree_width`` > 1 makes the draft model grow a tree of
+    caps every request's k (by default 6, 12 with suffix decoding, lowered where a verify pass
+    of every sequence's drafts would not fit a prefill chunk: ``max_drafts``).
+    ``draft_tree_width`` > 1 makes the draft model grow a tree of
     depth k instead of a chain: each depth keeps the ``width`` most probable continuations
     (EAGLE-2's dynamic tree), so a step verifies up to ``k x width`` drafts in one pass
     (``runtime/draft_tree.py``). With a fixed k every step grows a tree; with automatic k the
@@ -159,7 +166,7 @@ class SpeculativeConfig:
 
     method: Literal["draft", "ngram", "suffix", "auto"]
     num_speculative_tokens: int | Literal["auto"] = "auto"
-    max_speculative_tokens: int | None = None  # default: max(k, 6)
+    max_speculative_tokens: int | None = None  # None: ``max_drafts`` chooses
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     # Longest string a suffix tree holds: a match of m tokens drafts at most depth - m. A tree
@@ -181,17 +188,11 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if k != "auto" and not (isinstance(k, int) and k >= 0):
             raise ParamsError(f"num_speculative_tokens must be 'auto' or an int >= 0, got {k!r}")
-        if self.max_speculative_tokens is None:
-            self.max_speculative_tokens = max(DEFAULT_MAX_SPECULATIVE_TOKENS, 0 if self.auto else k)
-        if self.max_speculative_tokens < 1:
-            raise ParamsError(
-                f"max_speculative_tokens must be at least 1, got {self.max_speculative_tokens}"
-            )
-        if not self.auto and k > self.max_speculative_tokens:
-            raise ParamsError(
-                f"num_speculative_tokens {k} exceeds max_speculative_tokens "
-                f"{self.max_speculative_tokens}"
-            )
+        most = self.max_speculative_tokens
+        if most is not None and most < 1:
+            raise ParamsError(f"max_speculative_tokens must be at least 1, got {most}")
+        if most is not None and not self.auto and k > most:
+            raise ParamsError(f"num_speculative_tokens {k} exceeds max_speculative_tokens {most}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ParamsError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 2 <= self.suffix_decoding_max_tree_depth <= 1024:
@@ -231,6 +232,18 @@ class SpeculativeConfig:
         if self.method != "auto":
             return (self.method,)
         return ("draft", *trees, "suffix") if has_draft_model else ("suffix",)
+
+    def max_drafts(self, per_sequence: int) -> int:
+        """The cap on every request's k: ``max_speculative_tokens`` where given, else the
+        method's default (at least a fixed k), lowered so that a step's drafts of a sequence
+        (``nodes``) stay within ``per_sequence``, what a verify pass of a full batch holds
+        beside each sequence's own token."""
+        if self.max_speculative_tokens is not None:
+            return self.max_speculative_tokens
+        suffix = self.method in ("suffix", "auto")
+        default = SUFFIX_MAX_SPECULATIVE_TOKENS if suffix else DEFAULT_MAX_SPECULATIVE_TOKENS
+        fits = per_sequence // self.draft_tree_width
+        return max(min(default, fits), 0 if self.auto else self.num_speculative_tokens, 1)
 
     def nodes(self, k: int) -> int:
         """The most drafts a step of depth ``k`` verifies (a chain's k, a tree's k x width)."""

@@ -185,7 +185,8 @@ def test_bad_speculation_settings_are_rejected(tiny_llama):
     with pytest.raises(UserError, match="at least 1"):
         _llm(tiny_llama, "ngram", spec={"max_speculative_tokens": 0})
     with pytest.raises(UserError, match="prefill_chunk_size"):
-        _llm(tiny_llama, "ngram", max_batch_size=16, prefill_chunk_size=64)
+        spec = {"max_speculative_tokens": 6}
+        _llm(tiny_llama, "ngram", max_batch_size=16, prefill_chunk_size=64, spec=spec)
     with pytest.raises(UserError, match="draft, ngram, suffix or auto"):
         _llm(tiny_llama, "tree")
     for bad, match in (
@@ -215,6 +216,28 @@ def test_bad_speculation_settings_are_rejected(tiny_llama):
     with pytest.raises(UserError, match=r"max_batch_size 8 x \(24 drafts \+ 1\)"):
         spec = {"draft_tree_width": 4, "max_speculative_tokens": 6}
         _llm(tiny_llama, "draft", k=3, draft=tiny_llama, spec=spec, prefill_chunk_size=128)
+
+
+def test_the_default_cap_on_k_is_the_methods_within_what_a_verify_pass_holds(tiny_llama):
+    """Suffix decoding (and method auto) may draft 12 where the others draft 6; a cap left to
+    the default is lowered to what a full batch's verify pass holds in a prefill chunk (64 / 16
+    = 4 tokens a sequence: 3 drafts beside its own), where one given is refused (above)."""
+    caps = {
+        method: _llm(tiny_llama, method, draft=tiny_llama).engine.scheduler.max_k
+        for method in ("draft", "ngram", "suffix")
+    }
+    assert caps == {"draft": 6, "ngram": 6, "suffix": 12}
+    auto = LLM(tiny_llama.artifact, draft_model=tiny_llama.artifact, speculative={"method": "auto"})
+    assert auto.engine.max_k == 12
+    for method in ("ngram", "suffix"):
+        small = _llm(tiny_llama, method, max_batch_size=16, prefill_chunk_size=64)
+        assert small.engine.max_k == small.engine.scheduler.max_k == 3
+        pinned = SamplingParams(max_tokens=16, temperature=0, num_speculative_tokens=10)
+        out = small.generate([[5, 6, 7, 8] * 8], pinned)
+        assert 1 <= len(out[0].outputs[0].spec_stats.accepted_per_position) <= 3
+        _no_leak(small)
+    fixed = _llm(tiny_llama, "ngram", k=8)
+    assert fixed.engine.max_k == 8
 
 
 def test_attention_is_not_timed_where_the_cache_cannot_hold_a_long_context(tiny_llama):

@@ -219,7 +219,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--max-speculative-tokens",
         type=int,
         default=None,
-        help="most draft tokens any request gets per step (default: max(k, 6))",
+        help="most draft tokens any request gets per step (default: max(k, 6), 12 with suffix "
+        "decoding or auto, lowered to what a verify pass of a full batch holds)",
     )
     p.add_argument(
         "--draft-tree-width",

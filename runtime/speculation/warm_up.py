@@ -22,6 +22,11 @@ LONG_CONTEXT = 512
 # batch x (K + 1) tokens) would take minutes at load.
 FINE_SIZES = 32
 COARSE_STRIDE = 8
+# Largest verify pass timed at load: from about here a pass runs the matmuls' full row tiles and
+# costs in proportion to its tokens, as ``CostTable`` prices the sizes past the largest measured.
+# A batch of 16 with 12 drafts each (suffix decoding's cap) would otherwise time passes up to 208
+# tokens, ~25 s more of a Qwen2.5-1.5B server's load on 2 cores.
+LARGEST_TIMED = 128
 # A draft's catch-ups (one sequence reading its prompt) are timed every this many tokens up to a
 # prefill chunk: few passes, and in that range a pass costs close to its token count.
 CATCH_UP_STRIDE = 64
