@@ -356,18 +356,24 @@ def _child_hf(args: argparse.Namespace, job: dict[str, Any]) -> None:
 
 @dataclass
 class StepCosts:
-    """Median milliseconds of one target decode step, one draft decode step, and the target's
-    verification of k drafts (k + 1 tokens in one forward) for each k."""
+    """Median milliseconds of one target decode step, one draft decode step, the draft's pass
+    over a tree depth of w nodes of one sequence (``draft_rows_ms[w]``), and the target's
+    verification of k drafts (k + 1 tokens in one forward) for each k, a chain's or a tree's."""
 
     decode_ms: float
     draft_ms: float
+    draft_rows_ms: dict[int, float]
     verify_ms: dict[int, float]
 
-    def bound(self, k: int, mean_accepted_length: float) -> float:
-        """Speed-up over plain decoding if a step cost only its k draft steps and one
-        verification: tokens per step over the step's cost in target decode steps."""
-        cost = k * self.draft_ms / self.decode_ms + self.verify_ms[k] / self.decode_ms
-        return mean_accepted_length / cost
+    def bound(self, k: int, mean_accepted_length: float, width: int = 1) -> float:
+        """Speed-up over plain decoding if a step cost only its draft passes and one
+        verification: tokens per step over the step's cost in target decode steps. A chain of
+        k drafts takes k one-row passes; a tree of depth k and ``width`` nodes a depth takes one
+        from its root and k - 1 over the ``width`` nodes of the depth before, and its target
+        verifies k x width drafts."""
+        further = self.draft_ms if width == 1 else self.draft_rows_ms[width]
+        drafting = self.draft_ms + (k - 1) * further
+        return mean_accepted_length * self.decode_ms / (drafting + self.verify_ms[k * width])
 
 
 def _child_step_costs(job: dict[str, Any]) -> None:
@@ -381,7 +387,9 @@ def _child_step_costs(job: dict[str, Any]) -> None:
     prompt = job["ids"][0]
     ours.prefill(prompt)
     small.prefill(prompt)
-    tokens = prompt[: max(DRAFT_LENGTHS) + 1]
+    verified = sorted({*DRAFT_LENGTHS, *(depth * width for depth, width in TREES)})
+    widths = sorted({width for _, width in TREES})
+    tokens = prompt[: max(verified) + 1]
 
     def mean_ms(call: Callable[[list[int]], None], model: Compiled, n: int) -> float:
         samples = []
@@ -394,15 +402,17 @@ def _child_step_costs(job: dict[str, Any]) -> None:
     for _ in range(STEP_COST_ROUNDS + 1):
         decode = mean_ms(lambda t: ours.decode(t[0]), ours, 1)
         draft = mean_ms(lambda t: small.decode(t[0]), small, 1)
-        verify = {k: mean_ms(ours.multi_query, ours, k + 1) for k in DRAFT_LENGTHS}
-        rounds.append((decode, draft, verify))
+        depth = {w: mean_ms(small.multi_query, small, w) for w in widths}
+        verify = {k: mean_ms(ours.multi_query, ours, k + 1) for k in verified}
+        rounds.append((decode, draft, depth, verify))
     rounds = rounds[1:]
     child_result(
         asdict(
             StepCosts(
                 statistics.median(r[0] for r in rounds),
                 statistics.median(r[1] for r in rounds),
-                {k: statistics.median(r[2][k] for r in rounds) for k in DRAFT_LENGTHS},
+                {w: statistics.median(r[2][w] for r in rounds) for w in widths},
+                {k: statistics.median(r[3][k] for r in rounds) for k in verified},
             )
         )
     )
@@ -740,21 +750,45 @@ def _against(
 
 
 def step_cost_lines(costs: StepCosts, results: dict[str, Result]) -> list[str]:
-    verify = ", ".join(f"{ms / costs.decode_ms:.2f}" for ms in costs.verify_ms.values())
-    bounds = []
-    for k in DRAFT_LENGTHS:
-        r = results.get(f"draft{k}")
+    """The step costs, and per chain and tree run its acceptance bound (``StepCosts.bound``):
+    where the best tree's bound stays under ``TREE_GOAL`` times the best chain's, no overhead
+    taken out of the loop would let a tree meet that goal at these costs and acceptances."""
+    decode = costs.decode_ms
+    verify = ", ".join(f"{k}: {ms / decode:.2f}" for k, ms in costs.verify_ms.items())
+    depth = ", ".join(f"{w} nodes {ms / decode:.2f}" for w, ms in costs.draft_rows_ms.items())
+    bounds: dict[str, list[tuple[str, float, float]]] = {"chain": [], "tree": []}
+    for (depth_k, width), kind in [((k, 1), "chain") for k in DRAFT_LENGTHS] + [
+        (tree, "tree") for tree in TREES
+    ]:
+        name = f"draft{depth_k}" if width == 1 else f"tree{depth_k}w{width}"
+        r = results.get(name)
         if r and r.first.mean_accepted_length and "nospec" in results:
-            bound = costs.bound(k, r.first.mean_accepted_length)
+            bound = costs.bound(depth_k, r.first.mean_accepted_length, width)
             measured = r.speed.mid / results["nospec"].speed.mid
-            bounds.append(f"k={k} {bound:.2f}x ({measured / bound:.0%})")
-    return [
+            bounds[kind].append((name.removeprefix("draft"), bound, measured))
+
+    def listed(kind: str) -> str:
+        return ", ".join(f"{n} {b:.2f}x ({m / b:.0%})" for n, b, m in bounds[kind]) or "–"
+
+    lines = [
         f"- Step costs (a child of its own, medians of {STEP_COST_ROUNDS} rounds): target decode "
-        f"{costs.decode_ms:.1f} ms, draft step {costs.draft_ms / costs.decode_ms:.2f} of it, "
-        f"verify of k + 1 tokens for k = 1..8: {verify} of it. Acceptance bound (mean accepted "
-        "length / (k x draft + verify), and how much of it was measured): "
-        + (", ".join(bounds) or "–")
+        f"{decode:.1f} ms; draft step {costs.draft_ms / decode:.2f} of it, a draft pass over a "
+        f"tree depth of {depth} of it; verify of k drafts (k + 1 tokens), k = {verify} of it.",
+        "- Acceptance bound (mean accepted length / (draft passes + verify), in plain decode "
+        "steps; how much of it was measured): chains "
+        + listed("chain")
+        + "; trees (depth w width) "
+        + listed("tree"),
     ]
+    if bounds["chain"] and bounds["tree"]:
+        chain = max(bounds["chain"], key=lambda b: b[1])
+        tree = max(bounds["tree"], key=lambda b: b[1])
+        lines.append(
+            f"- The best tree's bound, {tree[0]} {tree[1]:.2f}x, is {tree[1] / chain[1]:.2f}x the "
+            f"best chain's, k={chain[0]} {chain[1]:.2f}x: what a tree's extra accepted tokens "
+            "leave after its wider draft passes and longer verify, with nothing else in the step"
+        )
+    return lines
 
 
 def plot_tokens_per_s(
@@ -945,8 +979,11 @@ def main() -> None:
         costs = None
         if any(n.startswith("draft") for n in args.only):
             data, _ = run_child(script, [*child, "--child", "step-costs"], args.threads)
-            verify = {int(k): v for k, v in data.pop("verify_ms").items()}
-            costs = StepCosts(**data, verify_ms=verify)
+            by_size = {
+                key: {int(k): v for k, v in data.pop(key).items()}
+                for key in ("verify_ms", "draft_rows_ms")
+            }
+            costs = StepCosts(**data, **by_size)
 
         def turn(config: Config) -> Run:
             assert "tvm" not in sys.modules, "TVM must live in the children only"
