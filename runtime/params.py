@@ -240,7 +240,7 @@ class SpeculativeConfig:
         beside each sequence's own token."""
         if self.max_speculative_tokens is not None:
             return self.max_speculative_tokens
-        suffix = self.method in ("suffix", "auto")
+        suffix = "suffix" in self.methods(has_draft_model=True)
         default = SUFFIX_MAX_SPECULATIVE_TOKENS if suffix else DEFAULT_MAX_SPECULATIVE_TOKENS
         fits = per_sequence // self.draft_tree_width
         return max(min(default, fits), 0 if self.auto else self.num_speculative_tokens, 1)

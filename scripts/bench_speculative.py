@@ -357,8 +357,9 @@ def _child_hf(args: argparse.Namespace, job: dict[str, Any]) -> None:
 @dataclass
 class StepCosts:
     """Median milliseconds of one target decode step, one draft decode step, the draft's pass
-    over a tree depth of w nodes of one sequence (``draft_rows_ms[w]``), and the target's
-    verification of k drafts (k + 1 tokens in one forward) for each k, a chain's or a tree's."""
+    over a tree depth of w nodes of one sequence (``draft_rows_ms[w]``, timed as a pass of w new
+    tokens in a chain: the same rows, attention masked apart), and the target's verification of
+    k drafts (k + 1 tokens in one forward) for each k, a chain's or a tree's."""
 
     decode_ms: float
     draft_ms: float
@@ -756,16 +757,18 @@ def step_cost_lines(costs: StepCosts, results: dict[str, Result]) -> list[str]:
     decode = costs.decode_ms
     verify = ", ".join(f"{k}: {ms / decode:.2f}" for k, ms in costs.verify_ms.items())
     depth = ", ".join(f"{w} nodes {ms / decode:.2f}" for w, ms in costs.draft_rows_ms.items())
+    runs = {
+        "chain": [(f"draft{k}", str(k), k, 1) for k in DRAFT_LENGTHS],
+        "tree": [(f"tree{k}w{w}", f"tree{k}w{w}", k, w) for k, w in TREES],
+    }
     bounds: dict[str, list[tuple[str, float, float]]] = {"chain": [], "tree": []}
-    for (depth_k, width), kind in [((k, 1), "chain") for k in DRAFT_LENGTHS] + [
-        (tree, "tree") for tree in TREES
-    ]:
-        name = f"draft{depth_k}" if width == 1 else f"tree{depth_k}w{width}"
-        r = results.get(name)
-        if r and r.first.mean_accepted_length and "nospec" in results:
-            bound = costs.bound(depth_k, r.first.mean_accepted_length, width)
-            measured = r.speed.mid / results["nospec"].speed.mid
-            bounds[kind].append((name.removeprefix("draft"), bound, measured))
+    for kind, named in runs.items():
+        for name, label, k, width in named:
+            r = results.get(name)
+            if r and r.first.mean_accepted_length and "nospec" in results:
+                bound = costs.bound(k, r.first.mean_accepted_length, width)
+                measured = r.speed.mid / results["nospec"].speed.mid
+                bounds[kind].append((label, bound, measured))
 
     def listed(kind: str) -> str:
         return ", ".join(f"{n} {b:.2f}x ({m / b:.0%})" for n, b, m in bounds[kind]) or "–"
