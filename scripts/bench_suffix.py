@@ -20,6 +20,7 @@ import numpy as np
 from benchdoc import SCRATCH, cpu_class, machine_context, publish, start_load, verdict
 
 from mlc_spec.compiler.cache import compiled
+from mlc_spec.runtime.params import DEFAULT_MAX_SPECULATIVE_TOKENS, SUFFIX_MAX_SPECULATIVE_TOKENS
 from mlc_spec.serve import bench
 
 DATASETS = ("editing", "humaneval", "sharegpt")
@@ -42,6 +43,49 @@ def _ratio(settings: dict, a: str, b: str, level: int) -> tuple[float, str]:
     return float(np.median(paired)), spread
 
 
+def step_ceiling(costs: dict | None, rows: int) -> tuple[float, int, int] | None:
+    """The most a step of ``rows`` sequences (or the most rows below it that steps ran) gains
+    from drafts, every one accepted, at the server's measured pass costs (``/stats``, at their
+    reference context): max over the shapes run of (tokens / rows) x decode(rows) /
+    verify(rows, tokens); with the rows and tokens of that shape. The draft's own cost is left
+    out, so no proposer beats it."""
+    if not costs:
+        return None
+    decode = {int(r): s for r, s in costs["decode_by_rows"].items()}
+    shapes: dict[int, dict[int, float]] = {}
+    for key, seconds in costs["verify_by_rows_x_tokens"].items():
+        r, t = map(int, key.split("x"))
+        shapes.setdefault(r, {})[t] = seconds
+    ran = [r for r in shapes if r <= rows and r in decode]
+    if not ran:
+        return None
+    r = max(ran)
+    t, seconds = max(shapes[r].items(), key=lambda ts: ts[0] / ts[1])
+    return t / r * decode[r] / seconds, r, t
+
+
+def ceilings(settings: dict, concurrency: list[int]) -> list[str]:
+    """Per level: the suffix server's step ceiling, the share of the plain server's time in its
+    decode steps (their passes and sampling), and the bound both give on suffix over no
+    speculation (Amdahl: the rest of the time, prompts and serving, is not sped up; decode
+    steps that carried a prompt chunk count as decode, so the bound is generous)."""
+    cells = []
+    for i, c in enumerate(concurrency):
+        ceiling = step_ceiling(settings[SUFFIX][i].get("step_costs"), c)
+        plain = settings[NONE][i]
+        spent = plain.get("engine_seconds") or {}
+        if ceiling is None or "decode" not in spent:
+            continue
+        gain, r, t = ceiling
+        share = (spent["decode"] + spent.get("sample", 0.0)) / plain["seconds"]
+        bound = 1 / (1 - share + share / gain)
+        cells.append(
+            f"C={c} {gain:.2f}x a step ({r} rows, {t} tokens), decode {share:.0%} of the time, "
+            f"so at most {bound:.2f}x"
+        )
+    return cells
+
+
 def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
     settings0 = next(iter(results.values()))["settings"]
     lines = [
@@ -52,7 +96,9 @@ def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
         f"server, each level's jobs unseen before it, {args.repeats} repeats interleaved (tok/s: "
         f"the median repeat's); greedy, {args.max_tokens} tokens per answer (EOS ignored), "
         f"streamed; batch {args.max_batch_size}, {args.max_total_len} tokens of KV cache, prefix "
-        "cache on; at most 6 drafts per step",
+        f"cache on; at most {SUFFIX_MAX_SPECULATIVE_TOKENS} drafts per step with suffix "
+        f"decoding and method auto, {DEFAULT_MAX_SPECULATIVE_TOKENS} with the others (the "
+        "engine's defaults)",
         "",
         "| dataset | server | " + " | ".join(f"C={c}" for c in args.concurrency) + " |",
         "|---|---|" + "---:|" * len(args.concurrency),
@@ -91,6 +137,12 @@ def section(results: dict[str, dict], load, args: argparse.Namespace) -> str:
         "- Automatic speculation >= 1.0x no speculation in every cell: "
         f"{verdict(all(r >= 1.0 for _, r, _ in autos), load)} ({listed(autos)})",
     ]
+    if "editing" in results:
+        lines.append(
+            "- What drafts could buy on the editing workload, from the suffix server's pass costs "
+            "(every draft accepted, the draft free) and the plain server's time in decode "
+            "steps: " + "; ".join(ceilings(results["editing"]["settings"], args.concurrency))
+        )
     if AUTO in settings0:  # method auto against the best of the servers with one proposer
         best = []
         for dataset, res in results.items():

@@ -536,7 +536,22 @@ def level_row(concurrency: int, runs: list[Run]) -> dict[str, Any]:
         row[key] = float(np.median(row[f"{key}_by_repeat"]))
     row["started"] = [r.started for r in runs]
     row["policy"] = policy_figures([r.stats for r in runs])
+    row["engine_seconds"] = engine_seconds([r.stats for r in runs])
+    last = runs[-1].stats[1] if runs else None
+    row["step_costs"] = (last.get("speculation") or {}).get("costs") if last else None
     return row
+
+
+def engine_seconds(stats: list[tuple[dict | None, dict | None]]) -> dict[str, float] | None:
+    """Seconds the engine spent per phase (prefill, decode, verify, draft, ...) over one
+    level's runs, from /stats before and after each; None from a server without it."""
+    if not stats or any(b is None or a is None for b, a in stats):
+        return None
+    total: dict[str, float] = {}
+    for b, a in stats:
+        for phase, seconds in a["seconds"].items():
+            total[phase] = total.get(phase, 0.0) + seconds - b["seconds"].get(phase, 0.0)
+    return total
 
 
 def bench(args) -> dict[str, Any]:

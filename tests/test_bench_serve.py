@@ -104,6 +104,11 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
     policy = results["settings"]["suffix k=auto"][0]["policy"]
     assert policy["steps"] > 0 and policy["predicted_ms"] > 0 and policy["measured_ms"] > 0
     assert policy["emitted_tokens"] >= 1 and policy["expected_tokens"] >= 1
+    # The engine's seconds per phase over each level's runs, and the suffix server's pass costs.
+    off, suffix = results["settings"]["off"][1], results["settings"]["suffix k=auto"][1]
+    assert 0 < off["engine_seconds"]["decode"] < off["seconds"]
+    assert "verify" not in off["engine_seconds"] and off["step_costs"] is None
+    assert suffix["engine_seconds"]["verify"] > 0 and suffix["step_costs"]["decode_by_rows"]
     table = (tmp_path / "results.md").read_text()
     assert "| x off |" in table and "| off | 1 | 6/6 |" in table
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
