@@ -79,9 +79,11 @@ def ceilings(settings: dict, concurrency: list[int]) -> list[str]:
         gain, r, t = ceiling
         share = (spent["decode"] + spent.get("sample", 0.0)) / plain["seconds"]
         bound = 1 / (1 - share + share / gain)
+        lookup, _ = _ratio(settings, NGRAM, NONE, i)
         cells.append(
             f"C={c} {gain:.2f}x a step ({r} rows, {t} tokens), decode {share:.0%} of the time, "
-            f"so at most {bound:.2f}x"
+            f"so at most {bound:.2f}x no speculation and {bound / lookup:.2f}x prompt lookup "
+            f"(at {lookup:.2f}x)"
         )
     return cells
 
