@@ -4,8 +4,9 @@ send context again), HumanEval and ShareGPT, with no speculation, automatic prom
 automatic suffix decoding (and, for the Qwen pair, the automatic 0.5B draft and method auto,
 which chooses between it and suffix decoding per request and step), every server loaded in
 turn at each concurrency. Written to docs/benchmarks-features.md with the goals' verdicts:
-suffix >= 1.5x no speculation and >= 1.2x prompt lookup on the editing workload; automatic
-speculation >= 1.0x no speculation in every cell.
+suffix >= 1.5x no speculation and >= 1.2x prompt lookup on the editing workload, with the most
+the measured pass costs allow there (``ceilings``); automatic speculation >= 1.0x no
+speculation in every cell.
 
     python scripts/bench_suffix.py [--pair smollm2|qwen] [--write docs/benchmarks-features.md]
 """
