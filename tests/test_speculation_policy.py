@@ -490,6 +490,23 @@ def test_plain_decode_is_never_predicted_dearer_than_a_verify_of_its_rows():
     assert choose(batch([0.3, 0.3]), step) == [0, 0]
 
 
+def test_plain_decode_is_never_predicted_below_one_sequences_pass_of_its_rows():
+    """A verify of 4 sequences and 48 tokens ran in less than one sequence's 48 tokens cost
+    beyond its 4 (the multi-sequence pass shares its weight reads): subtracting that extra
+    would price a plain decode of 4 rows below nothing, and no draft would ever pay. The
+    decode is floored at one sequence's pass of 4 tokens, and drafts at acceptance 1 pay."""
+    step = StepCosts(
+        CostTable({1: 0.006, 4: 0.0064}),
+        CostTable({1: 0.006, 4: 0.0068, 48: 0.050}),
+        DraftCosts(model=False),
+    )
+    step.observe_target(4, 48, 0.040)
+    assert step.target(4, 4) == 0.0064
+    step.decode.observe(4, 0.020)  # an inflated decode is still bounded, at the floor
+    assert step.target(4, 4) == pytest.approx(0.0068)
+    assert sum(choose(batch([1.0] * 4, cap=12), step)) > 0
+
+
 class _Clock:
     """Stands in for time.perf_counter: advanced by the fake model's passes."""
 
