@@ -499,9 +499,9 @@ def goals(
         )
     for k, goal in VERIFY_GOALS.items():
         cost = ours.spread[f"verify{k}_steps"]
-        decode = ours.spread["decode_ms"].mid
-        adds = (ours.spread[f"verify{k}_ms"].mid - decode) / (k - 1)
-        allowed = (goal - 1) * decode / (k - 1)
+        decode_ms = ours.spread["decode_ms"].mid
+        adds = (ours.spread[f"verify{k}_ms"].mid - decode_ms) / (k - 1)
+        allowed = (goal - 1) * decode_ms / (k - 1)
         lines += [
             f"- Verify {k} tokens {cost.cell(suffix='x')} a decode step (goal <= {goal}x): "
             f"{verdict(cost.mid <= goal, load)}",

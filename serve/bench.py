@@ -535,9 +535,10 @@ def level_row(concurrency: int, runs: list[Run]) -> dict[str, Any]:
         row[f"{key}_by_repeat"] = [x[key] for x in by_run]
         row[key] = float(np.median(row[f"{key}_by_repeat"]))
     row["started"] = [r.started for r in runs]
-    row["policy"] = policy_figures([r.stats for r in runs])
-    row["engine_seconds"] = engine_seconds([r.stats for r in runs])
-    last = runs[-1].stats[1] if runs else None
+    stats = [r.stats for r in runs]
+    row["policy"] = policy_figures(stats)
+    row["engine_seconds"] = engine_seconds(stats)
+    last = stats[-1][1] if stats else None
     row["step_costs"] = (last.get("speculation") or {}).get("costs") if last else None
     return row
 
