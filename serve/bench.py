@@ -558,7 +558,7 @@ def engine_seconds(stats: list[tuple[dict | None, dict | None]]) -> dict[str, fl
 def bench(args) -> dict[str, Any]:
     """The whole sweep; see ``add_arguments`` for what the options mean. Every server is
     started (and warmed) first, then each concurrency level loads them in turn, ``--repeats``
-    times over, the servers' order rotating each repeat so none always follows the same one."""
+    times over, in ``load_order``."""
     body = {
         "model": args.served_model,
         "max_tokens": args.max_tokens,
@@ -590,8 +590,7 @@ def bench(args) -> dict[str, Any]:
                 count = max(args.min_requests, args.rounds * concurrency)
                 jobs = mixed_jobs(args.dataset, count, args.max_turns, first_job)
                 first_job += count
-                turn = repeat % len(labels)
-                for label in labels[turn:] + labels[:turn]:
+                for label in load_order(labels, repeat):
                     base = bases[label]
                     before, started = engine_stats(base), time.perf_counter() - start
                     outcomes, seconds = asyncio.run(
@@ -617,6 +616,18 @@ def bench(args) -> dict[str, Any]:
     (out / "results.md").write_text(markdown(results))
     plot(results, out / "serve_bench.png")
     return results
+
+
+def load_order(labels: list[str], repeat: int) -> list[str]:
+    """The order the servers are loaded in at each level of sweep ``repeat``: rotated by one
+    every other sweep and reversed on odd ones, so each server changes both its place and the
+    server before it. A rotation alone keeps every server behind the same one (of three, the
+    automatic server always ran right after no speculation), and whatever one leaves behind
+    (CPU caches, clocks, a thread pool still spinning) would then weigh on one comparison
+    only."""
+    turn = (repeat // 2) % len(labels)
+    order = labels[turn:] + labels[:turn]
+    return order[::-1] if repeat % 2 else order
 
 
 def _ms(seconds: float | None) -> str:

@@ -24,6 +24,7 @@ from mlc_spec.serve.bench import (
     launched_llama_server,
     llama_server_binary,
     llama_server_command,
+    load_order,
     mixed_jobs,
     run_level,
     send,
@@ -95,10 +96,10 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
             )
     assert results["settings"]["off"][0]["acceptance_rate"] is None
     # Each level loads every server in turn: the last server's first level comes before the
-    # first server's second; the second repeat starts with the second server.
+    # first server's second; the second repeat loads them in reverse (``load_order``).
     started = {label: [r["started"] for r in rows] for label, rows in results["settings"].items()}
     assert started["suffix k=auto"][0][0] < started["off"][1][0]
-    assert started["ngram k=4"][0][1] < started["suffix k=auto"][0][1] < started["off"][0][1]
+    assert started["suffix k=auto"][0][1] < started["ngram k=4"][0][1] < started["off"][0][1]
     # The policy's predicted and measured step times, from the server's /stats.
     assert all(r["policy"] is None for r in results["settings"]["off"])
     policy = results["settings"]["suffix k=auto"][0]["policy"]
@@ -219,3 +220,16 @@ def test_a_missing_or_failing_llama_server_is_a_clear_error(monkeypatch, tmp_pat
     failing = launched_llama_server([str(fake), "-m", "x.gguf"], tmp_path / "log" / "ls.log")
     with pytest.raises(UserError, match="exited with 3:\n.*failed to load model"), failing:
         pass
+
+
+@pytest.mark.parametrize("servers", [2, 3, 5])
+def test_each_server_takes_every_place_behind_different_servers(servers):
+    """Over twice as many sweeps as servers, every server loads in every place and, with three
+    or more, right after at least two different servers (a rotation alone keeps one)."""
+    labels = [f"s{i}" for i in range(servers)]
+    orders = [load_order(labels, r) for r in range(2 * servers)]
+    assert all(sorted(o) == labels for o in orders)
+    for label in labels:
+        assert {o.index(label) for o in orders} == set(range(servers))
+        before = {o[o.index(label) - 1] for o in orders if o.index(label) > 0}
+        assert len(before) >= min(2, servers - 1)
