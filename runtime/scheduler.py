@@ -39,11 +39,17 @@ from .speculation import (
     Backoff,
     Candidate,
     Coverage,
+    Decision,
     GoodputPolicy,
+    RunningMean,
     StepCosts,
     StepShape,
+    refreshes_plain,
 )
 
+# Weight of a step's rows in the running mean of the batch's size (``_joining``): ~20 steps, so
+# the steps between a reply's end and its successor's first decode barely move it.
+BATCH_ROWS_WEIGHT = 0.05
 # Pages a sequence may need beyond ``pages(its tokens)``. After ``fork_sequence`` a sample writes
 # its tokens into pages of its own while its parent's last, partly filled prompt page stays shared,
 # so each sample can hold one page more than a packed count says.
@@ -159,6 +165,8 @@ class Scheduler:
         self._beside_free = {m: self._free_beside_model(m) for m in self.proposers}
         self.policy = GoodputPolicy()
         self.backoff = Backoff()
+        self.plain_refreshes = 0  # plain steps taken to measure a stale plain price
+        self.batch_rows = RunningMean()  # rows of recent decode steps
         self.speculation_log = SpeculationLog()
         # The chunk budget in time, from what chunks added to plain steps (which it reads by
         # rows from ``costs.decode``).
@@ -411,6 +419,8 @@ class Scheduler:
                 break
             preempted.append(self._preempt_newest())
         contexts = [s.kv_len for s in seqs]
+        if seqs:
+            self.batch_rows.observe(len(seqs), BATCH_ROWS_WEIGHT)
         if not seqs or self.proposer is None:
             plan = StepPlan(seqs, [0] * len(seqs), [], None, len(seqs), contexts=contexts)
             return plan, preempted
@@ -423,21 +433,32 @@ class Scheduler:
             # chunk waits or the batch rests (``Backoff``) and every sequence is automatic (as
             # under load in the server, where choosing among nothing cost 0.3 ms a step, ~3%
             # of SmolLM2's 8-row step).
-            plain = self.costs.predict(StepShape(len(seqs), attended=Attended.of(contexts)))
+            plain = self._plain(contexts)
             estimates = [self._estimate(s, self._methods(s)[0]) for s in seqs]
-            plan = StepPlan(seqs, [0] * len(seqs), estimates, plain, len(seqs), contexts=contexts)
+            plan = StepPlan(
+                seqs,
+                plain.num_draft,
+                estimates,
+                plain.predicted_seconds,
+                plain.expected_tokens,
+                contexts=contexts,
+            )
             return plan, preempted
         start = time.perf_counter()
         options = [
             {m: self._candidate(seq, m, cap, auto) for m in self._methods(seq)}
             for seq, cap, auto in zip(seqs, caps, automatic, strict=True)
         ]
-        decision, methods = self.policy.choose_methods(options, self.costs)
+        joining = self._joining(len(seqs))
+        decision, methods = self.policy.choose_methods(options, self.costs, joining)
+        drafted = any(k for k, a in zip(decision.num_draft, automatic, strict=True) if a)
         if any(automatic) and not unweighed:
-            drafted = any(k for k, a in zip(decision.num_draft, automatic, strict=True) if a)
             self.backoff.weighed(
                 ids, drafted, time.perf_counter() - start, decision.predicted_seconds
             )
+        if drafted and all(automatic) and refreshes_plain(decision, self.costs, len(seqs)):
+            decision = self._plain(contexts)
+            self.plain_refreshes += 1
         for seq, method in zip(seqs, methods, strict=True):
             seq.draft_method = method
         plan = StepPlan(
@@ -450,6 +471,20 @@ class Scheduler:
             methods=methods,
         )
         return plan, preempted
+
+    def _joining(self, rows: int) -> int:
+        """Sequences expected to join a batch of ``rows`` soon: those whose prompts wait or are
+        in prefill, or as many as the batch has lately held beyond ``rows`` (a closed loop
+        refills a batch each time a reply ends, often after the policy has weighed a step),
+        within the batch's room."""
+        pending = len(self._prefilling()) + sum(len(r.unfinished) for r in self.waiting)
+        lately = round(self.batch_rows.value or rows) - rows
+        return max(0, min(max(pending, lately), self.max_batch_size - rows))
+
+    def _plain(self, contexts: list[int]) -> Decision:
+        """No drafts for sequences holding ``contexts`` tokens, with the step's predicted time."""
+        step = self.costs.predict(StepShape(len(contexts), attended=Attended.of(contexts)))
+        return Decision([0] * len(contexts), step, float(len(contexts)))
 
     def _methods(self, seq: Sequence) -> list[str]:
         """The proposers the policy may choose for ``seq``: the one its request pins, or all."""
@@ -601,6 +636,7 @@ class Scheduler:
             },
             "model_free_share": self.coverage.engine_share(),
             "rested_steps": self.backoff.rested_steps,
+            "plain_refreshes": self.plain_refreshes,
             "costs": self.costs.to_dict(),
         }
 

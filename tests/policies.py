@@ -26,7 +26,7 @@ class RandomK:
         return Decision(ks, None, 0.0)
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts
+        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
     ) -> tuple[Decision, list[str]]:
         methods = [list(o)[int(self.rng.integers(0, len(o)))] for o in options]
         return self.choose([o[m] for o, m in zip(options, methods, strict=True)], costs), methods
@@ -36,8 +36,40 @@ class Declines:
     """No drafts for automatic sequences; pinned ones keep theirs."""
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts
+        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
     ) -> tuple[Decision, list[str]]:
         ks = [next(iter(o.values())).pinned or 0 for o in options]
         step = costs.predict(StepShape.of(ks, [0] * len(ks)))
         return Decision(ks, step, float(len(ks))), [next(iter(o)) for o in options]
+
+
+class Marginal:
+    """One draft for every automatic sequence that has one, each step, predicted to gain
+    ``gain`` over the plain step."""
+
+    def __init__(self, gain: float):
+        self.gain = gain
+
+    def choose_methods(
+        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+    ) -> tuple[Decision, list[str]]:
+        cands = [next(iter(o.values())) for o in options]
+        ks = [c.pinned if c.pinned is not None else min(1, c.cap) for c in cands]
+        step = costs.predict(StepShape.of(ks, [0] * len(ks)))
+        decision = Decision(ks, step, float(len(ks)), gain=self.gain)
+        return decision, [next(iter(o)) for o in options]
+
+
+class Watching(Marginal):
+    """``Marginal`` at a gain past any refresh, noting each step's rows and the sequences the
+    scheduler expects to join them."""
+
+    def __init__(self):
+        super().__init__(gain=2.0)
+        self.seen: list[tuple[int, int]] = []
+
+    def choose_methods(
+        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+    ) -> tuple[Decision, list[str]]:
+        self.seen.append((len(options), joining))
+        return super().choose_methods(options, costs, joining)

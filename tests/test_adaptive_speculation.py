@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from policies import Declines, RandomK
+from policies import Declines, Marginal, RandomK, Watching
 from tiny_models import VOCAB
 
 from mlc_spec import LLM, SamplingParams
@@ -16,7 +16,8 @@ from mlc_spec.runtime.model import Model
 from mlc_spec.runtime.params import EngineConfig, SpeculativeConfig
 from mlc_spec.runtime.proposers.build import build_proposer
 from mlc_spec.runtime.speculation import Attention, warm_up
-from mlc_spec.runtime.speculation.costs import REFERENCE_CONTEXT
+from mlc_spec.runtime.speculation.costs import REFERENCE_CONTEXT, STALE_AFTER
+from mlc_spec.runtime.speculation.policy import REFRESH_BELOW
 from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE, LONG_CONTEXT, time_passes
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -93,9 +94,9 @@ def test_speculation_off_runs_the_plain_decode_path(tiny_llama, tiny_llama_draft
     verify = llm.engine.target.evaluate_multi_query
     choose = llm.engine.scheduler.policy.choose
 
-    def counting_choose(*args):
+    def counting_choose(*args, **kwargs):
         calls["policy"] += 1
-        return choose(*args)
+        return choose(*args, **kwargs)
 
     def counting_propose(seqs, num_tokens):
         calls["propose"] += [s.request.request_id for s in seqs]
@@ -284,6 +285,47 @@ def test_automatic_k_drafts_nothing_while_a_prompt_chunk_rides_in_the_step(tiny_
     assert after[0] == before[0] and after[1] > before[1]
     while engine.has_unfinished():
         engine.step()
+
+
+@pytest.mark.parametrize("gain", [1.1, 1.5])
+def test_drafts_that_gain_little_give_way_to_a_plain_step_once_its_price_is_stale(
+    tiny_llama, tiny_llama_draft, gain
+):
+    """A policy drafting every step: drafts predicted to gain 10% step plain after
+    ``STALE_AFTER`` verify passes without a plain one, measuring the plain price they were
+    weighed against, with the same tokens; drafts predicted to gain 50% never do."""
+    llm = _llm(tiny_llama, "draft", tiny_llama_draft)
+    llm.engine.scheduler.policy = Marginal(gain)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    outputs = llm.generate(_prompts()[:1], params)
+    assert _ids(outputs) == _ids(LLM(tiny_llama.artifact).generate(_prompts()[:1], params))
+    steps_by_k = outputs[0].outputs[0].spec_stats.steps_by_k
+    refreshes = llm.metrics()["speculation"]["plain_refreshes"]
+    if gain < REFRESH_BELOW:
+        assert refreshes == sum(steps_by_k[1:]) // STALE_AFTER > 0
+    else:
+        assert refreshes == 0
+    assert steps_by_k[0] >= refreshes  # the last token's step has no room for a draft
+    _no_leak(llm)
+
+
+def test_the_policy_is_told_how_many_sequences_will_soon_join_the_batch(
+    tiny_llama, tiny_llama_draft
+):
+    """A batch of 4 that loses a reply expects its size back (a closed loop refills it), so
+    the policy hears of 1 sequence joining the 3 left; once the batch has stayed at 3 for a
+    while, of none."""
+    llm = _llm(tiny_llama, "draft", tiny_llama_draft)
+    watching = llm.engine.scheduler.policy = Watching()
+    lengths = [60, 60, 60, 12]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    llm.generate(_prompts(), params)
+    joining = {}
+    for rows, expected in watching.seen:
+        joining.setdefault(rows, []).append(expected)
+    assert set(joining[4]) == {0}
+    assert joining[3][0] == 1 and joining[3][-1] == 0
+    _no_leak(llm)
 
 
 def test_a_batch_that_declines_its_drafts_is_weighed_less_often(tiny_llama, reference):

@@ -23,10 +23,12 @@ from mlc_spec.runtime.speculation import (
     StepCosts,
     StepShape,
     expected_tokens,
+    refreshes_plain,
     warm_up,
 )
 from mlc_spec.runtime.speculation.backoff import MIN_SHARE, MOST_REST
-from mlc_spec.runtime.speculation.policy import MIN_GAIN
+from mlc_spec.runtime.speculation.costs import STALE_AFTER
+from mlc_spec.runtime.speculation.policy import MIN_GAIN, REFRESH_BELOW
 from mlc_spec.runtime.speculation.warm_up import COARSE_STRIDE, FINE_SIZES, sizes
 
 K = 6
@@ -275,6 +277,27 @@ def test_catch_up_is_paid_once_and_spread_over_the_tokens_left():
     assert choose(pinned, flat) == [3]
 
 
+def test_a_catch_up_is_paid_only_where_drafting_lasts_in_the_batch_to_come():
+    """Three sequences at acceptance 0.9 pay for their prompts' catch-ups at 3 rows, but every
+    verify pass at 4 rows ran 4x a plain step: with a fourth sequence about to join, those
+    catch-ups would buy one step of drafts, so they wait. Sequences already caught up draft
+    either way; so does a batch that nothing joins."""
+    draft = DraftCosts(
+        model=True,
+        first=CostTable({n: 0.001 * n for n in range(1, 600)}),
+        next=CostTable({n: 0.005 for n in range(1, 20)}),
+    )
+    step = costs(decode=lambda n: 0.030, verify=lambda n: 0.030 + 0.001 * n, draft=draft)
+    step.shapes[4] = {tokens: RunningMean(0.120) for tokens in range(5, 4 * (K + 1) + 1)}
+    prompts = [Candidate(cap=K, pinned=None, acceptance=0.9, catch_up=150) for _ in range(3)]
+    assert all(choose(prompts, step))
+    assert not any(GoodputPolicy().choose(prompts, step, joining=1).num_draft)
+    caught_up = [Candidate(cap=K, pinned=None, acceptance=0.9, catch_up=2) for _ in range(3)]
+    assert all(GoodputPolicy().choose(caught_up, step, joining=1).num_draft)
+    four = [*prompts, Candidate(cap=0, pinned=None, acceptance=0.0)]
+    assert not any(choose(four, step))
+
+
 def int8_batch_of_one() -> StepCosts:
     """Step costs as measured for the Qwen 1.5B/0.5B pair with int8 activations at batch 1
     (docs/benchmarks.md): verify of 2 tokens 1.22x a decode, a draft pass 0.4-0.5 of one, and a
@@ -505,6 +528,44 @@ def test_plain_decode_is_never_predicted_below_one_sequences_pass_of_its_rows():
     step.decode.observe(4, 0.020)  # an inflated decode is still bounded, at the floor
     assert step.target(4, 4) == pytest.approx(0.0068)
     assert sum(choose(batch([1.0] * 4, cap=12), step)) > 0
+
+
+def steps_against_a_stale_plain_price(rows: int, verify: float, refresh: bool) -> list[int]:
+    """Drafts per step for ``rows`` sequences, one of which has a draft at acceptance 0.9,
+    stepped as the scheduler does: a plain pass takes 10 ms, a pass verifying the draft
+    ``verify`` s. The plain price was measured 10% high (11 ms) before any of these steps, and
+    load-time passes of one sequence put the draft's token at 0.2 ms."""
+    step = StepCosts(
+        CostTable({rows: 0.011}),
+        CostTable({rows: 0.009, rows + 1: 0.0092}),
+        DraftCosts(model=False),
+    )
+    step.observe_target(rows, rows + 1, verify)
+    cands = [Candidate(cap=1 if i == 0 else 0, pinned=None, acceptance=0.9) for i in range(rows)]
+    chosen = []
+    for _ in range(60):
+        decision = GoodputPolicy().choose(cands, step)
+        if refresh and any(decision.num_draft) and refreshes_plain(decision, step, rows):
+            decision.num_draft = [0] * rows
+        drafts = sum(decision.num_draft)
+        step.observe_target(rows, rows + drafts, verify if drafts else 0.010)
+        chosen.append(drafts)
+    return chosen
+
+
+def test_a_stale_plain_price_is_measured_again_where_drafts_gain_little():
+    """Verify passes never correct a plain price of 8 rows that is 10% high: their draft's
+    token cost more than load time said (11.2 ms for 9 tokens against 10 for 8), so drafts
+    that lose 1% pass the policy's margin step after step. After ``STALE_AFTER`` of them a
+    plain step measures the price again, and the policy stops drafting. At one sequence the
+    draft gains 1.8x, past ``REFRESH_BELOW``: it drafts every step, never stepping plain."""
+    assert steps_against_a_stale_plain_price(8, 0.0112, refresh=False) == [1] * 60
+    refreshed = steps_against_a_stale_plain_price(8, 0.0112, refresh=True)
+    assert refreshed == [1] * (STALE_AFTER - 1) + [0] * (61 - STALE_AFTER)  # 1 verify before
+    step = StepCosts(CostTable({1: 0.010}), CostTable({1: 0.010, 2: 0.0105}), DraftCosts(False))
+    decision = GoodputPolicy().choose([Candidate(cap=1, pinned=None, acceptance=0.9)], step)
+    assert decision.gain > REFRESH_BELOW
+    assert steps_against_a_stale_plain_price(1, 0.0105, refresh=True) == [1] * 60
 
 
 class _Clock:

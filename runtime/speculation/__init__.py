@@ -14,7 +14,7 @@ from .costs import (
     StepShape,
 )
 from .coverage import Coverage
-from .policy import Candidate, Decision, GoodputPolicy, expected_tokens
+from .policy import Candidate, Decision, GoodputPolicy, expected_tokens, refreshes_plain
 
 __all__ = [
     "REFERENCE_CONTEXT",
@@ -32,4 +32,5 @@ __all__ = [
     "StepCosts",
     "StepShape",
     "expected_tokens",
+    "refreshes_plain",
 ]

@@ -23,6 +23,12 @@ REFERENCE_CONTEXT = 32
 # Weight of a new measurement in a running mean: a change of load shows within ~5 steps, one
 # noisy step moves an estimate by a fifth of its error.
 NEW_WEIGHT = 0.2
+# Verify steps at a row count after which its plain pass's price is stale: only plain steps
+# measure it, and a policy that keeps drafting stops taking them (``policy.refreshes_plain``).
+STALE_AFTER = 16
+# Weight of a plain pass measured once its price was stale: the estimate had no news for that
+# long, so the measurement counts for more than a routine one.
+STALE_WEIGHT = 0.5
 
 
 class RunningMean:
@@ -31,8 +37,8 @@ class RunningMean:
     def __init__(self, value: float | None = None):
         self.value = value
 
-    def observe(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + NEW_WEIGHT * (x - self.value)
+    def observe(self, x: float, weight: float = NEW_WEIGHT) -> None:
+        self.value = x if self.value is None else self.value + weight * (x - self.value)
 
 
 class CostTable:
@@ -47,11 +53,11 @@ class CostTable:
         self._mean = {size: RunningMean(s) for size, s in (seconds or {}).items()}
         self._sizes = sorted(self._mean)
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float, weight: float = NEW_WEIGHT) -> None:
         if size not in self._mean:
             self._mean[size] = RunningMean()
             bisect.insort(self._sizes, size)
-        self._mean[size].observe(seconds)
+        self._mean[size].observe(seconds, weight)
 
     def predict(self, size: int) -> float | None:
         if size <= 0:
@@ -233,6 +239,12 @@ class StepCosts:
     editing workload a decode of 4 rows came out at 0.4 ms against 6 measured, after which the
     policy declined 48 drafts at acceptance 1 and never drafted again.
 
+    That bound subtracts load-time differences, which may not hold for a server's batches: with
+    SmolLM2 int8 at 8 streams a decode price stayed 7-10% above measured through ~100 drafting
+    steps. So a row count's price counts as stale after ``STALE_AFTER`` verify passes without a
+    plain one (``plain_is_stale``), the policy then steps plain where its margin is thin
+    (``policy.refreshes_plain``), and that measurement weighs ``STALE_WEIGHT``.
+
     The sum prices a shape no step has run only as well as load-time passes stand for a
     server's: at 8 rows a server's steps came out up to 1.3x that estimate (SmolLM2 int8,
     under streaming and admission). A shape's first measurement against its estimate feeds
@@ -250,6 +262,8 @@ class StepCosts:
     attention: Attention = dataclasses.field(default_factory=Attention)
     shapes: dict[int, dict[int, RunningMean]] = dataclasses.field(default_factory=dict)
     estimate_bias: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(1.0))
+    # Per row count: verify passes run since its plain pass was last measured.
+    unrefreshed: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def predict(self, shape: StepShape) -> float | None:
         target = self.target(shape.rows, shape.rows + shape.drafts)
@@ -265,6 +279,10 @@ class StepCosts:
         """A plain decode pass of sequences holding ``contexts`` tokens."""
         decode = self.target(len(contexts), len(contexts))
         return None if decode is None else decode + self.attention.seconds(Attended.of(contexts))
+
+    def plain_is_stale(self, rows: int) -> bool:
+        """Whether ``STALE_AFTER`` verify passes of ``rows`` sequences ran since a plain one."""
+        return self.unrefreshed.get(rows, 0) >= STALE_AFTER
 
     def target(self, rows: int, tokens: int) -> float | None:
         """The target pass over ``rows`` sequences and ``tokens`` tokens (a decode where they
@@ -298,8 +316,11 @@ class StepCosts:
         """A target pass's time, entered at the reference context."""
         seconds -= self.attention.seconds(attended or Attended())
         if tokens == rows:
-            self.decode.observe(rows, seconds)
+            stale = self.plain_is_stale(rows)
+            self.decode.observe(rows, seconds, STALE_WEIGHT if stale else NEW_WEIGHT)
+            self.unrefreshed[rows] = 0
             return
+        self.unrefreshed[rows] = self.unrefreshed.get(rows, 0) + 1
         seen = self.shapes.setdefault(rows, {})
         if tokens not in seen:
             seen[tokens] = RunningMean(self.target(rows, tokens))

@@ -26,7 +26,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from .costs import REFERENCE_CONTEXT, StepCosts, StepShape
+from .costs import REFERENCE_CONTEXT, STEADY_CATCH_UP, StepCosts, StepShape
 
 # Most tokens a catch-up is spread over: a reply seldom runs to a large max_tokens, and a cost
 # spread over tokens that never come would be charged too little.
@@ -38,6 +38,11 @@ HORIZON_TOKENS = 256
 # from its drafts and ran at 0.90-1.01x no speculation (the run written by 87192f5's code, in
 # b83352a's docs/benchmarks.md). With this margin those cells read 0.95-1.06x.
 MIN_GAIN = 0.05
+# Drafts predicted to gain less than this over the plain step give way to a plain step once the
+# plain price is stale (``StepCosts.plain_is_stale``): a plain price 7-10% too high let drafts
+# through that gained 5-10% as predicted and ran at 0.92-0.96x plain (SmolLM2 int8, 8 streams,
+# 2026-11-28). Past this margin no such error flips the choice, and no step is lost measuring.
+REFRESH_BELOW = 1.25
 
 
 @dataclasses.dataclass
@@ -65,6 +70,7 @@ class Decision:
     predicted_seconds: float | None  # None until the costs of such a step were measured
     expected_tokens: float
     charged_seconds: float | None = None  # predicted_seconds with catch-ups spread, not whole
+    gain: float = 1.0  # predicted goodput over the step without the policy's drafts
 
 
 def expected_tokens(alpha: float, k: int, calibration: Sequence[float] = ()) -> float:
@@ -79,6 +85,47 @@ def _factor(calibration: Sequence[float], j: int) -> float:
 
 class GoodputPolicy:
     def choose(
+        self,
+        batch: list[Candidate],
+        costs: StepCosts,
+        calibration: Sequence[float] = (),
+        joining: int = 0,
+    ) -> Decision:
+        """The draft counts for ``batch`` with the most expected tokens per (charged) second.
+        ``joining``: sequences expected to join the batch soon (``Scheduler._joining``); a
+        catch-up is paid only if drafting still pays in the batch they make (``_lasts``)."""
+        best = self._choose(batch, costs, calibration)
+        starting = [
+            i
+            for i, (c, k) in enumerate(zip(batch, best.num_draft, strict=True))
+            if k and c.pinned is None and c.catch_up > STEADY_CATCH_UP
+        ]
+        if not joining or not starting or self._lasts(batch, costs, calibration, joining, starting):
+            return best
+        held = [dataclasses.replace(c, cap=0) if i in starting else c for i, c in enumerate(batch)]
+        return self._choose(held, costs, calibration)
+
+    def _lasts(
+        self,
+        batch: list[Candidate],
+        costs: StepCosts,
+        calibration: Sequence[float],
+        joining: int,
+        starting: list[int],
+    ) -> bool:
+        """Whether the ``starting`` sequences, caught up, would still draft once ``joining``
+        plain rows join the batch: at 3 rows the Qwen pair's drafts paid for three prompts'
+        catch-ups (1.0 s), and at the 4 rows of the next step they no longer paid, so the
+        catch-ups bought one step of drafts (0.95x no speculation, 2026-11-28)."""
+        caught_up = [
+            dataclasses.replace(c, catch_up=STEADY_CATCH_UP) if i in starting else c
+            for i, c in enumerate(batch)
+        ]
+        newcomers = [Candidate(cap=0, pinned=None, acceptance=0.0)] * joining
+        later = self._choose(caught_up + newcomers, costs, calibration)
+        return any(later.num_draft[i] for i in starting)
+
+    def _choose(
         self, batch: list[Candidate], costs: StepCosts, calibration: Sequence[float] = ()
     ) -> Decision:
         num_draft = [c.pinned if c.pinned is not None else 0 for c in batch]
@@ -151,10 +198,11 @@ class GoodputPolicy:
             )
             if gain < 1 + MIN_GAIN:
                 return base
+            best.gain = gain
         return best
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts
+        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
     ) -> tuple[Decision, list[str]]:
         """Each sequence's proposer as well as its draft count, where sequences have several
         (``options[i]`` by method, each candidate with its own acceptance, catch-up and
@@ -170,10 +218,17 @@ class GoodputPolicy:
         )
         best: tuple[Decision, list[str]] | None = None
         for methods in dict.fromkeys(assignments):
-            decision = self.choose([o[m] for o, m in zip(options, methods, strict=True)], costs)
+            batch = [o[m] for o, m in zip(options, methods, strict=True)]
+            decision = self.choose(batch, costs, joining=joining)
             if best is None or _faster(decision, best[0]):
                 best = decision, list(methods)
         return best
+
+
+def refreshes_plain(decision: Decision, costs: StepCosts, rows: int) -> bool:
+    """Whether a step of ``rows`` sequences goes plain instead of ``decision``'s drafts, so that
+    the plain price they were weighed against is measured again (``REFRESH_BELOW``)."""
+    return decision.gain < REFRESH_BELOW and costs.plain_is_stale(rows)
 
 
 def _goodput(decision: Decision) -> float:
