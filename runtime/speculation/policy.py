@@ -113,16 +113,13 @@ class GoodputPolicy:
         joining: int,
         starting: list[int],
     ) -> bool:
-        """Whether the ``starting`` sequences, caught up, would still draft once ``joining``
-        plain rows join the batch: at 3 rows the Qwen pair's drafts paid for three prompts'
-        catch-ups (1.0 s), and at the 4 rows of the next step they no longer paid, so the
-        catch-ups bought one step of drafts (0.95x no speculation, 2026-11-28)."""
-        caught_up = [
-            dataclasses.replace(c, catch_up=STEADY_CATCH_UP) if i in starting else c
-            for i, c in enumerate(batch)
-        ]
+        """Whether the ``starting`` sequences would still pay for their catch-ups, spread as
+        in ``_choose``, once ``joining`` plain rows join the batch: where the catch-ups are
+        repaid. At 3 rows the Qwen pair's drafts paid for three prompts' catch-ups (1.0 s),
+        and at the 4 rows of the next step they no longer did, so the catch-ups bought one
+        step of drafts (0.95x no speculation, 2026-11-28)."""
         newcomers = [Candidate(cap=0, pinned=None, acceptance=0.0)] * joining
-        later = self._choose(caught_up + newcomers, costs, calibration)
+        later = self._choose(batch + newcomers, costs, calibration)
         return any(later.num_draft[i] for i in starting)
 
     def _choose(
