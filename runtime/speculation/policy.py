@@ -93,7 +93,7 @@ class GoodputPolicy:
     ) -> Decision:
         """The draft counts for ``batch`` with the most expected tokens per (charged) second.
         ``joining``: sequences expected to join the batch soon (``Scheduler._joining``); a
-        catch-up is paid only if drafting still pays in the batch they make (``_lasts``)."""
+        catch-up is paid only if the batch they make repays it (``_lasts``)."""
         best = self._choose(batch, costs, calibration)
         starting = [
             i
