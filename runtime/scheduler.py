@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable
 
@@ -419,11 +420,10 @@ class Scheduler:
                 break
             preempted.append(self._preempt_newest())
         contexts = [s.kv_len for s in seqs]
-        if seqs:
-            self.batch_rows.observe(len(seqs), BATCH_ROWS_WEIGHT)
         if not seqs or self.proposer is None:
             plan = StepPlan(seqs, [0] * len(seqs), [], None, len(seqs), contexts=contexts)
             return plan, preempted
+        self.batch_rows.observe(len(seqs), BATCH_ROWS_WEIGHT)
         automatic = [self.pinned_k(s.params) is None for s in seqs]
         ids = [s.seq_id for s in seqs]
         unweighed = chunk_waits or (any(automatic) and self.backoff.resting(ids))
@@ -477,9 +477,14 @@ class Scheduler:
         in prefill, or as many as the batch has lately held beyond ``rows`` (a closed loop
         refills a batch each time a reply ends, often after the policy has weighed a step),
         within the batch's room."""
-        pending = len(self._prefilling()) + sum(len(r.unfinished) for r in self.waiting)
+        room = self.max_batch_size - rows
+        if room <= 0:
+            return 0
+        # Each waiting request brings a sequence at least: the first ``room`` can fill the room.
+        waiting = itertools.islice(self.waiting, room)
+        pending = len(self._prefilling()) + sum(len(r.unfinished) for r in waiting)
         lately = round(self.batch_rows.value or rows) - rows
-        return max(0, min(max(pending, lately), self.max_batch_size - rows))
+        return max(0, min(max(pending, lately), room))
 
     def _plain(self, contexts: list[int]) -> Decision:
         """No drafts for sequences holding ``contexts`` tokens, with the step's predicted time."""
