@@ -454,7 +454,9 @@ class Engine:
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
-            kept, emitted, logits = self._verify(seqs, drafts, parents, draft_probs, masks)
+            kept, emitted, logits = self._verify(
+                seqs, drafts, parents, draft_probs, masks, plan.chunk
+            )
         else:
             kept = [[] for _ in seqs]
             emitted, logits = self._decode(seqs, plan.chunk, masks)
@@ -505,9 +507,11 @@ class Engine:
         parents: list[np.ndarray | None],
         draft_probs: DraftProbs | None,
         masks: np.ndarray | None,
+        chunk: PrefillWork | None = None,
     ) -> tuple[list[list[int]], np.ndarray, tvm.runtime.Tensor]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
-        ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``."""
+        ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``. A
+        prompt ``chunk`` is computed in the same pass, without logits."""
         inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
         blocks = [block_parents(len(d), p) for d, p in zip(drafts, parents, strict=True)]
         trees = [
@@ -516,7 +520,17 @@ class Engine:
         ]
         with self.timers("verify"):
             ids = [s.seq_id for s in seqs]
-            logits = self.target.evaluate_multi_query(self.kv, ids, inputs, trees)
+            if chunk is None:
+                logits = self.target.evaluate_multi_query(self.kv, ids, inputs, trees)
+            else:
+                logits = self.target.evaluate_multi_query(
+                    self.kv,
+                    ids + [s.seq_id for s, _ in chunk.fresh],
+                    inputs + [t for _, t in chunk.fresh],
+                    trees + [None] * len(chunk.fresh),
+                    scored=len(seqs),
+                )
+                release_pooled_buffers()
         with self.timers("sample"):
             scored = logits if masks is None else self.target.sampler.mask(logits, masks)
             if any(p is not None for p in parents):
@@ -619,7 +633,9 @@ class Engine:
             self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
             for i, seq in zip(live, seqs, strict=True)
         ]
-        if self.proposer is not None and plan.chunk is None:  # the policy did not price chunks
+        # A pass with a chunk in it is not one the cost tables hold (the policy prices the
+        # chunk's tokens from them).
+        if self.proposer is not None and plan.chunk is None:
             # Overlapped, the host's work is off the step's time; in series it is on it.
             end = time.perf_counter() if self._worker is None else result.ended
             self.scheduler.record_step(

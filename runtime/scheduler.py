@@ -15,8 +15,8 @@ A plan reads top-down:
             nothing decoding, else what ``max_num_batched_tokens`` leaves the decoding rows
   step      unless the chunk completes a prompt (its first tokens are reported first): the
             newest requests are preempted while a step at every row's draft cap does not fit,
-            then the policy chooses each row's drafts; a plain step carries the chunk in its
-            own pass, so the weights are read once for both
+            then the policy chooses each row's drafts, pricing the chunk in; the step
+            carries the chunk in its own pass, so the weights are read once for both
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ class PrefillWork:
     def seqs(self) -> list[Sequence]:
         return [s for s, _ in self.restored + self.fresh]
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """``(context, tokens)`` of each sequence's chunk, before it is committed."""
-        return [(s.kv_len, len(t)) for s, t in self.restored + self.fresh]
+    def tokens(self) -> int:
+        """Tokens the pass computes."""
+        return sum(len(t) for _, t in self.restored + self.fresh)
 
     def in_cache(self) -> PrefillWork | None:
         """Without the sequences preempted since it was planned (``None`` if that is all)."""
@@ -209,16 +209,15 @@ class Scheduler:
         cached = self.prefix_cache_hits - hits
         prefill, step, preempted = self._plan_prefill(*self._chunk_budget()), None, []
         if prefill is None or not any(prefill.completes):
-            chunk_waits = prefill is not None and not prefill.restored
-            step, preempted = self._plan_step(chunk_waits)
+            rides = prefill is not None and not prefill.restored
+            step, preempted = self._plan_step(prefill.tokens() if rides else 0)
             if prefill is not None:  # the step may have preempted a prompt's request
                 prefill = prefill.in_cache()
-        plain = step is not None and step.seqs and not any(step.num_draft)
-        if plain and prefill is not None and not prefill.restored:
-            if self._plain_is_stale():
+        if step is not None and step.seqs and prefill is not None and not prefill.restored:
+            if not any(step.num_draft) and self._plain_is_stale():
                 prefill = None  # this step measures its rows' plain step; the prompt waits
             else:
-                step.chunk, prefill = prefill, None  # the chunk rides in the plain step's pass
+                step.chunk, prefill = prefill, None  # the chunk rides in the step's pass
         return SchedulerOutput(admitted, cached, preempted, prefill, step)
 
     def _plain_is_stale(self) -> bool:
@@ -383,8 +382,7 @@ class Scheduler:
         self._chunks_in_a_row += 1
         plain, allowance = self.costs.plain(plan.contexts), plan.chunk.allowance
         if plain is not None and allowance is not None:
-            tokens = sum(n for _, n in plan.chunk.chunks())
-            self.chunk_sizer.ran(tokens, seconds - plain, allowance)
+            self.chunk_sizer.ran(plan.chunk.tokens(), seconds - plain, allowance)
 
     def prefilled(self, work: PrefillWork) -> None:
         """A prefill pass ran: its sequences' KV grew, and each finished prompt (or history)
@@ -399,17 +397,18 @@ class Scheduler:
         """Running sequences past their prompt: the rows of a decode step."""
         return [s for r in self.running for s in r.unfinished if s.prefilled]
 
-    def _plan_step(self, chunk_waits: bool) -> tuple[StepPlan, list[Request]]:
+    def _plan_step(self, chunk: int) -> tuple[StepPlan, list[Request]]:
         """The sequences to advance and their draft counts, and the requests preempted for
         them. The newest requests are preempted until a step at every sequence's draft cap fits
         in the free pages; then the policy chooses each count up to its cap, or up to what the
         proposer has (prompt lookup may find fewer drafts, or none), unless the batch rests
         after a decline (``Backoff``).
 
-        ``chunk_waits``: a prompt chunk rides in this step's pass if the step is plain. A draft
-        would cost the chunk a pass of its own, a second read of every weight, which the
-        policy's step costs do not hold (SmolLM2 int8 served 6-11% slower with drafts chosen
-        so); automatic requests draft nothing then, requests that set k keep it."""
+        ``chunk``: prompt tokens that ride in this step's pass, plain or verifying, which the
+        policy prices with the step's other tokens. Automatic requests used to draft nothing
+        while a chunk waited (a draft then cost the chunk a pass of its own), and with prompts
+        arriving every few replies that held the Qwen pair's suffix drafts on edits at 4 streams
+        to 60% of its steps."""
         preempted = []
         while True:
             seqs = self._decoding()
@@ -426,13 +425,13 @@ class Scheduler:
         self.batch_rows.observe(len(seqs), BATCH_ROWS_WEIGHT)
         automatic = [self.pinned_k(s.params) is None for s in seqs]
         ids = [s.seq_id for s in seqs]
-        unweighed = chunk_waits or (any(automatic) and self.backoff.resting(ids))
+        unweighed = any(automatic) and self.backoff.resting(ids)
         caps = [0 if a and unweighed else c for a, c in zip(automatic, caps, strict=True)]
         if not any(caps):
-            # Nothing for the policy to choose: speculation is off for every sequence, or a
-            # chunk waits or the batch rests (``Backoff``) and every sequence is automatic (as
-            # under load in the server, where choosing among nothing cost 0.3 ms a step, ~3%
-            # of SmolLM2's 8-row step).
+            # Nothing for the policy to choose: speculation is off for every sequence, or the
+            # batch rests (``Backoff``) and every sequence is automatic (as under load in the
+            # server, where choosing among nothing cost 0.3 ms a step, ~3% of SmolLM2's 8-row
+            # step).
             plain = self._plain(contexts)
             estimates = [self._estimate(s, self._methods(s)[0]) for s in seqs]
             plan = StepPlan(
@@ -450,7 +449,7 @@ class Scheduler:
             for seq, cap, auto in zip(seqs, caps, automatic, strict=True)
         ]
         joining = self._joining(len(seqs))
-        decision, methods = self.policy.choose_methods(options, self.costs, joining)
+        decision, methods = self.policy.choose_methods(options, self.costs, joining, chunk)
         drafted = any(k for k, a in zip(decision.num_draft, automatic, strict=True) if a)
         if any(automatic) and not unweighed:
             self.backoff.weighed(

@@ -11,10 +11,12 @@ from mlc_spec.runtime.speculation import Candidate, Decision, StepCosts, StepSha
 
 class RandomK:
     """k uniform in 0..cap per sequence and step; requests that pinned their k keep it. With
-    several proposers (method auto), each sequence's proposer is drawn too."""
+    several proposers (method auto), each sequence's proposer is drawn too. ``chunks``: the
+    prompt tokens it was told ride in each step it weighed."""
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
+        self.chunks: list[int] = []
 
     def choose(
         self, batch: list[Candidate], costs: StepCosts, calibration: Sequence[float] = ()
@@ -26,8 +28,13 @@ class RandomK:
         return Decision(ks, None, 0.0)
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+        self,
+        options: list[dict[str, Candidate]],
+        costs: StepCosts,
+        joining: int = 0,
+        chunk: int = 0,
     ) -> tuple[Decision, list[str]]:
+        self.chunks.append(chunk)
         methods = [list(o)[int(self.rng.integers(0, len(o)))] for o in options]
         return self.choose([o[m] for o, m in zip(options, methods, strict=True)], costs), methods
 
@@ -36,7 +43,11 @@ class Declines:
     """No drafts for automatic sequences; pinned ones keep theirs."""
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+        self,
+        options: list[dict[str, Candidate]],
+        costs: StepCosts,
+        joining: int = 0,
+        chunk: int = 0,
     ) -> tuple[Decision, list[str]]:
         ks = [next(iter(o.values())).pinned or 0 for o in options]
         step = costs.predict(StepShape.of(ks, [0] * len(ks)))
@@ -51,7 +62,11 @@ class Marginal:
         self.gain = gain
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+        self,
+        options: list[dict[str, Candidate]],
+        costs: StepCosts,
+        joining: int = 0,
+        chunk: int = 0,
     ) -> tuple[Decision, list[str]]:
         cands = [next(iter(o.values())) for o in options]
         ks = [c.pinned if c.pinned is not None else min(1, c.cap) for c in cands]
@@ -69,7 +84,11 @@ class Watching(Marginal):
         self.seen: list[tuple[int, int]] = []
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+        self,
+        options: list[dict[str, Candidate]],
+        costs: StepCosts,
+        joining: int = 0,
+        chunk: int = 0,
     ) -> tuple[Decision, list[str]]:
         self.seen.append((len(options), joining))
         return super().choose_methods(options, costs, joining)

@@ -4,6 +4,9 @@ policy's decisions and step times in the metrics, and no leaked pages."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
 import numpy as np
 import pytest
 from policies import Declines, Marginal, RandomK, Watching
@@ -260,31 +263,49 @@ def test_generate_command_takes_a_per_request_k(tiny_llama, capsys):
     assert "expected 'auto' or a number" in capsys.readouterr().err
 
 
-def test_automatic_k_drafts_nothing_while_a_prompt_chunk_rides_in_the_step(tiny_llama):
+def test_a_prompt_chunk_rides_in_the_verify_pass_while_streams_draft(tiny_llama):
     """A 150-token prompt arrives while two streams decode, with a step budget that chunks it:
-    its chunks ride in plain passes, so the automatic-k stream drafts nothing in those steps,
-    while the stream that set k = 3 keeps drafting (its chunk then gets a pass of its own)."""
+    the policy is told the chunk's tokens and may draft for the automatic-k stream (a random k
+    here), the stream that set k = 3 keeps drafting, every chunk rides in the streams' pass
+    (verifying or plain) rather than a pass of its own, and every token is the one plain
+    decoding gives."""
     llm = LLM(
         tiny_llama.artifact,
         speculative={"method": "ngram", "num_speculative_tokens": "auto"},
         max_num_batched_tokens=20,
     )
     engine = llm.engine
+    policy = engine.scheduler.policy = RandomK(seed=5)
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     repeat = [200, 201, 202, 203] * 6  # prompt lookup finds drafts all along
-    auto = engine.add_request(repeat, SamplingParams(max_tokens=120, temperature=0))
-    pinned = engine.add_request(
-        repeat, SamplingParams(max_tokens=120, temperature=0, num_speculative_tokens=3)
-    )
+    late_prompt = list(np.random.default_rng(2).integers(3, VOCAB, 150))
+    params = SamplingParams(max_tokens=120, temperature=0)
+    auto = engine.add_request(repeat, params)
+    pinned = engine.add_request(repeat, dataclasses.replace(params, num_speculative_tokens=3))
     while not all(r.sequences[0].prefilled for r in (auto, pinned)):
         engine.step()
     before = [r.sequences[0].stats.num_drafts for r in (auto, pinned)]
-    late = engine.add_request(list(np.random.default_rng(2).integers(3, VOCAB, 150)), GREEDY)
+    late = engine.add_request(late_prompt, GREEDY)
+    plans.clear()
     while late.sequences[0].num_output == 0:
         engine.step()
     after = [r.sequences[0].stats.num_drafts for r in (auto, pinned)]
-    assert after[0] == before[0] and after[1] > before[1]
+    assert after[0] > before[0] and after[1] > before[1]
+    riding = [p for p in plans if p.step is not None and p.step.chunk is not None]
+    assert any(any(p.step.num_draft) for p in riding)
+    # Told of every chunk that rode (one told of may wait instead, for a plain step to measure).
+    assert not Counter(p.step.chunk.tokens() for p in riding) - Counter(policy.chunks)
+    alone = [p for p in plans if p.prefill is not None]
+    assert len(alone) == 1 and all(alone[0].prefill.completes)  # the prompt's last chunk
     while engine.has_unfinished():
         engine.step()
+    plain = LLM(tiny_llama.artifact)
+    expected = _ids(plain.generate([repeat], params) + plain.generate([late_prompt], GREEDY))
+    outputs = [s.tokens[s.num_prompt :] for s in (r.sequences[0] for r in (auto, pinned, late))]
+    assert outputs == [expected[0], *expected]
+    _no_leak(llm)
 
 
 @pytest.mark.parametrize("gain", [1.1, 1.5])

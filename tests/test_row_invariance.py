@@ -115,6 +115,19 @@ def _check_all_ways(run: _Run, prompt, tokens, vocab: int) -> None:
         rows.append(out[first : first + b - a])
     np.testing.assert_array_equal(np.concatenate(rows), decoded)
 
+    # Verified with a prompt's chunks riding in the passes, without logits (a verify step that
+    # carries a prefill chunk): the verified rows, and the prompt's K/V as decoding writes it.
+    seq, rider = run.new(prompt), run.new()
+    blocks = _lengths_cover(len(tokens), [5, 11, 16, 8])
+    starts = np.cumsum([0, *blocks])
+    chunks = np.array_split(np.concatenate([prompt, tokens]), len(blocks))
+    rows = [
+        run.model.evaluate_multi_query(run.kv, [seq, rider], [tokens[a:b], chunk], scored=1).numpy()
+        for a, b, chunk in zip(starts[:-1], starts[1:], chunks, strict=True)
+    ]
+    np.testing.assert_array_equal(np.concatenate(rows), decoded)
+    np.testing.assert_array_equal(run.keys_and_values(rider), kv)
+
     # Decoded in a batch of other sequences.
     seq = run.new(prompt)
     rows = [run.model.decode(run.kv, [left, seq, right], [1, int(t), 2]).numpy()[1] for t in tokens]
@@ -170,6 +183,13 @@ def _check_tree(run: _Run, prompt, vocab: int) -> None:
     base = len(prompt)
     tree = run.model.evaluate_multi_query(run.kv, [seq], [tokens], [(base, np.array(PARENTS))])
     np.testing.assert_array_equal(tree.numpy(), np.stack(decoded))
+    rider = run.new()  # with a prompt chunk riding in the pass, without logits
+    ridden = run.new(prompt)
+    tree = run.model.evaluate_multi_query(
+        run.kv, [ridden, rider], [tokens, prompt], [(base, np.array(PARENTS)), None], scored=1
+    )
+    np.testing.assert_array_equal(tree.numpy(), np.stack(decoded))
+    np.testing.assert_array_equal(run.keys_and_values(rider), run.keys_and_values(run.new(prompt)))
 
     grown = run.new(prompt)  # the root alone, then one depth per pass
     depth = np.array([len(p) - 1 for p in paths])

@@ -129,6 +129,23 @@ def test_step_function_costs_are_searched_past_a_dip():
     assert choose(batch([0.9]), step) == [K]
 
 
+def test_a_prompt_chunk_riding_in_the_pass_is_priced_with_the_drafts():
+    """Passes cost a tile per 9 tokens (the int8 kernel's row tiles). At 4 rows 5 drafts ride
+    free in the plain step's tile; with a 14-token prompt chunk in the pass the plain step
+    fills two tiles already and a draft opens a third, which acceptance 0.3 does not repay;
+    beside a 10-token chunk, 4 drafts fill the second tile for free."""
+
+    def tiles(n: int) -> float:
+        return 0.005 * (1 + -(-n // 9))
+
+    step, candidates, policy = costs(tiles, tiles), batch([0.3] * 4), GoodputPolicy()
+    assert sum(policy.choose(candidates, step).num_draft) == 5
+    assert policy.choose(candidates, step, chunk=14).num_draft == [0] * 4
+    assert policy.choose(candidates, step, chunk=10).num_draft == [1] * 4
+    decision, _ = policy.choose_methods([{"ngram": c} for c in candidates], step, chunk=14)
+    assert decision.num_draft == [0] * 4
+
+
 def test_the_search_finds_the_best_drafts_on_any_rising_cost():
     """With a free proposer and costs by pass size, the best drafts for a total are the likeliest
     ones, so the search matches brute force over every k per sequence; it stops early only where

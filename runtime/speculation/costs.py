@@ -110,8 +110,9 @@ class StepShape:
     model's (j+1)-th pass (``drafting[0]``: the sequences drafting; a chain adds a row per
     further draft, a tree its ``width`` nodes per further depth), ``free``, how many draft
     with the model-free proposer beside a draft model (method ``auto``), ``drafts`` the
-    target verifies in all, and the context its rows and its drafts attend over
-    (``Attended``)."""
+    target verifies in all, the context its rows and its drafts attend over
+    (``Attended``), and ``chunk``, the prompt tokens riding in the target's pass (no logits:
+    priced as drafts, an LM head row too dear each)."""
 
     rows: int
     catch_up: int = 0
@@ -119,6 +120,7 @@ class StepShape:
     free: int = 0
     drafts: int = 0
     attended: Attended = dataclasses.field(default_factory=Attended)
+    chunk: int = 0
 
     def add_draft(
         self,
@@ -150,11 +152,12 @@ class StepShape:
         contexts: Sequence[int] | None = None,
         free: Sequence[bool] | None = None,
         widths: Sequence[int] | None = None,
+        chunk: int = 0,
     ) -> StepShape:
         contexts = contexts or [REFERENCE_CONTEXT] * len(num_draft)
         free = free or [False] * len(num_draft)
         widths = widths or [1] * len(num_draft)
-        shape = cls(len(num_draft), attended=Attended.of(contexts))
+        shape = cls(len(num_draft), attended=Attended.of(contexts), chunk=chunk)
         for k, c, context, f, w in zip(num_draft, catch_up, contexts, free, widths, strict=True):
             for j in range(k):
                 shape.add_draft(j, c, context, f, w)
@@ -266,7 +269,7 @@ class StepCosts:
     unrefreshed: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def predict(self, shape: StepShape) -> float | None:
-        target = self.target(shape.rows, shape.rows + shape.drafts)
+        target = self.target(shape.rows, shape.rows + shape.drafts + shape.chunk)
         draft = self.draft.predict(shape)
         if target is None or draft is None:
             return None

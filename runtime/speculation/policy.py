@@ -90,11 +90,13 @@ class GoodputPolicy:
         costs: StepCosts,
         calibration: Sequence[float] = (),
         joining: int = 0,
+        chunk: int = 0,
     ) -> Decision:
-        """The draft counts for ``batch`` with the most expected tokens per (charged) second.
-        ``joining``: sequences expected to join the batch soon (``Scheduler._joining``); a
-        catch-up is paid only if the batch they make repays it (``_lasts``)."""
-        best = self._choose(batch, costs, calibration)
+        """The draft counts for ``batch`` with the most expected tokens per (charged) second,
+        ``chunk`` prompt tokens riding in its pass whatever it drafts. ``joining``: sequences
+        expected to join the batch soon (``Scheduler._joining``); a catch-up is paid only if
+        the batch they make repays it (``_lasts``)."""
+        best = self._choose(batch, costs, calibration, chunk)
         starting = [
             i
             for i, (c, k) in enumerate(zip(batch, best.num_draft, strict=True))
@@ -103,7 +105,7 @@ class GoodputPolicy:
         if not joining or not starting or self._lasts(batch, costs, calibration, joining, starting):
             return best
         held = [dataclasses.replace(c, cap=0) if i in starting else c for i, c in enumerate(batch)]
-        return self._choose(held, costs, calibration)
+        return self._choose(held, costs, calibration, chunk)
 
     def _lasts(
         self,
@@ -123,7 +125,11 @@ class GoodputPolicy:
         return any(later.num_draft[i] for i in starting)
 
     def _choose(
-        self, batch: list[Candidate], costs: StepCosts, calibration: Sequence[float] = ()
+        self,
+        batch: list[Candidate],
+        costs: StepCosts,
+        calibration: Sequence[float] = (),
+        chunk: int = 0,
     ) -> Decision:
         num_draft = [c.pinned if c.pinned is not None else 0 for c in batch]
         catch_up = [c.catch_up for c in batch]
@@ -145,6 +151,7 @@ class GoodputPolicy:
             [c.context for c in batch],
             [c.free for c in batch],
             [c.width for c in batch],
+            chunk,
         )
         tokens = sum(emitted)
         whole = sum(once[i] for i in drafting)  # paid in this step
@@ -199,7 +206,11 @@ class GoodputPolicy:
         return best
 
     def choose_methods(
-        self, options: list[dict[str, Candidate]], costs: StepCosts, joining: int = 0
+        self,
+        options: list[dict[str, Candidate]],
+        costs: StepCosts,
+        joining: int = 0,
+        chunk: int = 0,
     ) -> tuple[Decision, list[str]]:
         """Each sequence's proposer as well as its draft count, where sequences have several
         (``options[i]`` by method, each candidate with its own acceptance, catch-up and
@@ -216,7 +227,7 @@ class GoodputPolicy:
         best: tuple[Decision, list[str]] | None = None
         for methods in dict.fromkeys(assignments):
             batch = [o[m] for o, m in zip(options, methods, strict=True)]
-            decision = self.choose(batch, costs, joining=joining)
+            decision = self.choose(batch, costs, joining=joining, chunk=chunk)
             if best is None or _faster(decision, best[0]):
                 best = decision, list(methods)
         return best
