@@ -118,7 +118,7 @@ def _check_all_ways(run: _Run, prompt, tokens, vocab: int) -> None:
     # Verified with a prompt's chunks riding in the passes, without logits (a verify step that
     # carries a prefill chunk): the verified rows, and the prompt's K/V as decoding writes it.
     seq, rider = run.new(prompt), run.new()
-    blocks = _lengths_cover(len(tokens), [5, 11, 16, 8])
+    blocks = _lengths_cover(len(tokens), [5, 11, 16, 8] * 4)
     starts = np.cumsum([0, *blocks])
     chunks = np.array_split(np.concatenate([prompt, tokens]), len(blocks))
     rows = [
