@@ -407,9 +407,8 @@ class Scheduler:
         ``chunk``: prompt tokens that ride in this step's pass, plain or verifying, which the
         policy prices with the step's other tokens. Automatic requests used to draft nothing
         while a chunk waited (a draft then cost the chunk a pass of its own); with prompts
-        arriving every few replies a chunk rode in 40-45% of SmolLM2's steps at 4 streams, and
-        prompt lookup on the Qwen pair's edits at 4 streams went from 1.35x to 1.51x no
-        speculation once its drafts could ride with them (docs/benchmarks-features.md)."""
+        arriving every few replies, a chunk rode in nearly half of a 4-stream batch's steps,
+        and free drafts were held back in all of them."""
         preempted = []
         while True:
             seqs = self._decoding()
