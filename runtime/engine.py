@@ -480,25 +480,38 @@ class Engine:
     ) -> tuple[np.ndarray, tvm.runtime.Tensor]:
         """The plain step: one token per sequence, no draft forward, no verification;
         ``(tokens, logits)``, each row sampled under its grammar's ``masks`` where given. A
-        prompt ``chunk`` is computed in the same pass, as a prefill of every sequence (a row is
-        the same in either function, docs/exactness.md)."""
+        prompt ``chunk`` is computed in the same pass (``_beside_chunk``)."""
         with self.timers("decode"):
             ids, pending = [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
             if chunk is None:
                 logits = self.target.decode(self.kv, ids, pending)
             else:
-                logits = self.target.prefill(
-                    self.kv,
-                    ids + [s.seq_id for s, _ in chunk.fresh],
-                    [[t] for t in pending] + [t for _, t in chunk.fresh],
-                )
-                logits = take(logits, range(len(seqs)))  # the chunk's last row is not wanted
-                release_pooled_buffers()
+                logits = self._beside_chunk(ids, [[t] for t in pending], [None] * len(ids), chunk)
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
             masked = logits if masks is None else self.target.sampler.mask(logits, masks)
             tokens = self.target.sampler.sample_logits(masked, [s.params for s in seqs], uniforms)
         return tokens, logits
+
+    def _beside_chunk(
+        self,
+        ids: list[int],
+        inputs: list,
+        trees: list[tuple[int, np.ndarray] | None],
+        chunk: PrefillWork,
+    ) -> tvm.runtime.Tensor:
+        """One target pass over ``inputs`` of sequences ``ids`` and a prompt ``chunk``: logits
+        of the sequences' tokens only, so the chunk's rows pay no LM head (a row is the same in
+        any function, docs/exactness.md)."""
+        logits = self.target.evaluate_multi_query(
+            self.kv,
+            ids + [s.seq_id for s, _ in chunk.fresh],
+            inputs + [t for _, t in chunk.fresh],
+            trees + [None] * len(chunk.fresh),
+            scored=len(ids),
+        )
+        release_pooled_buffers()
+        return logits
 
     def _verify(
         self,
@@ -511,7 +524,7 @@ class Engine:
     ) -> tuple[list[list[int]], np.ndarray, tvm.runtime.Tensor]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
         ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``. A
-        prompt ``chunk`` is computed in the same pass, without logits."""
+        prompt ``chunk`` is computed in the same pass (``_beside_chunk``)."""
         inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
         blocks = [block_parents(len(d), p) for d, p in zip(drafts, parents, strict=True)]
         trees = [
@@ -523,14 +536,7 @@ class Engine:
             if chunk is None:
                 logits = self.target.evaluate_multi_query(self.kv, ids, inputs, trees)
             else:
-                logits = self.target.evaluate_multi_query(
-                    self.kv,
-                    ids + [s.seq_id for s, _ in chunk.fresh],
-                    inputs + [t for _, t in chunk.fresh],
-                    trees + [None] * len(chunk.fresh),
-                    scored=len(seqs),
-                )
-                release_pooled_buffers()
+                logits = self._beside_chunk(ids, inputs, trees, chunk)
         with self.timers("sample"):
             scored = logits if masks is None else self.target.sampler.mask(logits, masks)
             if any(p is not None for p in parents):
