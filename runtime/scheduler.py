@@ -115,6 +115,11 @@ class StepPlan:
     chunk: PrefillWork | None = None
     contexts: list[int] = dataclasses.field(default_factory=list)  # KV tokens per sequence
     methods: list[str] = dataclasses.field(default_factory=list)  # proposer per sequence
+    # Its pass follows a prefill pass of its own (in this plan or the last). A prefill's
+    # activations evict the weights that a run of decode steps keeps in a large cache: the
+    # Qwen 1.5B's first 4-row decode after a 420-token prefill took 77-122 ms against 50-60 ms
+    # (480 MB L3), so its time says nothing of its shape's price.
+    cold: bool = False
 
     def attended(self, num_draft: list[int]) -> Attended:
         """What the target pass with ``num_draft`` drafts per sequence attends over."""
@@ -173,6 +178,7 @@ class Scheduler:
         # rows from ``costs.decode``).
         self.chunk_sizer = ChunkSizer()
         self._chunks_in_a_row = 0  # plain steps that carried a chunk since one went without
+        self._prefilled_alone = False  # the last plan had a prefill pass of its own
         # Counters a server reports.
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache as sequences enter
@@ -218,6 +224,9 @@ class Scheduler:
                 prefill = None  # this step measures its rows' plain step; the prompt waits
             else:
                 step.chunk, prefill = prefill, None  # the chunk rides in the step's pass
+        if step is not None:
+            step.cold = self._prefilled_alone or prefill is not None
+        self._prefilled_alone = prefill is not None
         return SchedulerOutput(admitted, cached, preempted, prefill, step)
 
     def _plain_is_stale(self) -> bool:
@@ -373,15 +382,16 @@ class Scheduler:
     def plain_step_ran(self, plan: StepPlan, seconds: float) -> None:
         """A step that drafted nothing, before its commit: its pass's time by rows (the policy's
         decode table, with or without a proposer), or, with a chunk in it, what the chunk added
-        to that."""
+        to that; nothing from a ``cold`` step."""
         rows = len(plan.seqs)
         if plan.chunk is None:
-            self.costs.observe_target(rows, rows, seconds, Attended.of(plan.contexts))
-            self._chunks_in_a_row = 0
+            if not plan.cold:
+                self.costs.observe_target(rows, rows, seconds, Attended.of(plan.contexts))
+                self._chunks_in_a_row = 0
             return
         self._chunks_in_a_row += 1
         plain, allowance = self.costs.plain(plan.contexts), plan.chunk.allowance
-        if plain is not None and allowance is not None:
+        if plain is not None and allowance is not None and not plan.cold:
             self.chunk_sizer.ran(plan.chunk.tokens(), seconds - plain, allowance)
 
     def prefilled(self, work: PrefillWork) -> None:
@@ -600,9 +610,10 @@ class Scheduler:
         draft_seconds: float,
         target_seconds: float,
     ) -> None:
-        """Feed a step's measured times to the cost model and the decision log."""
+        """Feed a step's measured times to the cost model (unless the step is ``cold``) and the
+        decision log."""
         rows, drafted = len(plan.seqs), sum(num_draft)
-        if drafted:  # a plain step's pass was observed by ``plain_step_ran``
+        if drafted and not plan.cold:  # a plain step's pass was observed by ``plain_step_ran``
             attended = plan.attended(num_draft)
             self.costs.observe_target(rows, rows + drafted, target_seconds, attended)
         self.costs.per_row.observe((seconds - draft_seconds - target_seconds) / rows)

@@ -314,7 +314,9 @@ def test_drafts_that_gain_little_give_way_to_a_plain_step_once_its_price_is_stal
 ):
     """A policy drafting every step: drafts predicted to gain 10% step plain after
     ``STALE_AFTER`` verify passes without a plain one, measuring the plain price they were
-    weighed against, with the same tokens; drafts predicted to gain 50% never do."""
+    weighed against, with the same tokens; drafts predicted to gain 50% never do. The reply
+    opens with two plain steps: only load time had priced one row's plain step, and the first
+    step after the prompt's prefill is cold, measuring nothing."""
     llm = _llm(tiny_llama, "draft", tiny_llama_draft)
     llm.engine.scheduler.policy = Marginal(gain)
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
@@ -323,7 +325,7 @@ def test_drafts_that_gain_little_give_way_to_a_plain_step_once_its_price_is_stal
     steps_by_k = outputs[0].outputs[0].spec_stats.steps_by_k
     refreshes = llm.metrics()["speculation"]["plain_refreshes"]
     if gain < REFRESH_BELOW:
-        assert refreshes == sum(steps_by_k[1:]) // STALE_AFTER > 0
+        assert refreshes == 2 + sum(steps_by_k[1:]) // STALE_AFTER > 2
     else:
         assert refreshes == 0
     assert steps_by_k[0] >= refreshes  # the last token's step has no room for a draft

@@ -212,7 +212,8 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
     while not all(s.prefilled for r in streams for s in r.sequences):
         engine.step()
-    engine.step()  # a plain step of the two streams: measured by rows
+    engine.step()  # a plain step of the two streams, cold after their prompts' pass
+    engine.step()  # ... and one measured by rows
     late, later = (engine.add_request(p, params) for p in long_prompts)
     chunks.clear()
     engine.step()  # admitted, the first chunk computed in the streams' pass (timed)

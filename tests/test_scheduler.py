@@ -83,3 +83,23 @@ def test_preempted_requests_come_back_through_the_plan(tiny_llama):
         assert any(request in later.admitted for later in plans[i + 1 :])
     assert llm.engine.scheduler.num_preemptions >= len(preempting)
     assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
+
+
+def test_the_step_after_a_prefill_pass_of_its_own_feeds_no_cost_table(tiny_llama):
+    """A prefill pass evicts from the cache the weights that decode steps keep there, so the
+    step after it costs more than its shape (``StepPlan.cold``): its time stays out of the
+    cost tables, and the next step's goes in."""
+    llm = LLM(tiny_llama.artifact, chunk_time_ratio=None)
+    engine, plans = llm.engine, _recording(llm)
+    costs = engine.scheduler.costs
+    rng = np.random.default_rng(1)
+    engine.add_request([int(t) for t in rng.integers(3, VOCAB, 40)], PARAMS)
+    plan = _step(llm, plans)
+    assert plan.prefill is not None and plan.step is None
+    before = costs.decode.to_dict()
+    plan = _step(llm, plans)
+    assert plan.step.cold and costs.decode.to_dict() == before
+    plan = _step(llm, plans)
+    assert not plan.step.cold and costs.decode.to_dict() != before
+    while engine.has_unfinished():
+        engine.step()

@@ -558,6 +558,7 @@ def steps_against_a_stale_plain_price(rows: int, verify: float, refresh: bool) -
         CostTable({rows: 0.009, rows + 1: 0.0092}),
         DraftCosts(model=False),
     )
+    step.observe_target(rows, rows, 0.011)
     step.observe_target(rows, rows + 1, verify)
     cands = [Candidate(cap=1 if i == 0 else 0, pinned=None, acceptance=0.9) for i in range(rows)]
     chosen = []
@@ -569,6 +570,27 @@ def steps_against_a_stale_plain_price(rows: int, verify: float, refresh: bool) -
         step.observe_target(rows, rows + drafts, verify if drafts else 0.010)
         chosen.append(drafts)
     return chosen
+
+
+def test_a_plain_price_only_load_time_measured_is_stale_until_a_step_measures_it():
+    """Load-time passes priced the Qwen pair's plain step of 4 rows 5-7% above what steps took,
+    enough to start a draft model whose catch-ups the drafts never repaid. Such a price is
+    stale from the start, verify passes leave it so, and drafts that gain little step plain
+    first; past ``REFRESH_BELOW`` they draft at once."""
+    step = StepCosts(
+        CostTable({4: 0.011}), CostTable({4: 0.009, 5: 0.0092}), DraftCosts(model=False)
+    )
+    assert step.plain_is_stale(4)
+    step.observe_target(4, 5, 0.0105)
+    assert step.plain_is_stale(4)
+    cands = [Candidate(cap=1 if i == 0 else 0, pinned=None, acceptance=0.9) for i in range(4)]
+    decision = GoodputPolicy().choose(cands, step)
+    assert decision.num_draft == [1, 0, 0, 0] and decision.gain < REFRESH_BELOW
+    assert refreshes_plain(decision, step, 4)
+    step.observe_target(4, 4, 0.010)
+    assert not step.plain_is_stale(4)
+    assert step.target(4, 4) == pytest.approx(0.0105)  # the stale weight: halfway
+    assert not refreshes_plain(decision, step, 4)
 
 
 def test_a_stale_plain_price_is_measured_again_where_drafts_gain_little():

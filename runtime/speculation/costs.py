@@ -246,7 +246,10 @@ class StepCosts:
     SmolLM2 int8 at 8 streams a decode price stayed 7-10% above measured through ~100 drafting
     steps. So a row count's price counts as stale after ``STALE_AFTER`` verify passes without a
     plain one (``plain_is_stale``), the policy then steps plain where its margin is thin
-    (``policy.refreshes_plain``), and that measurement weighs ``STALE_WEIGHT``.
+    (``policy.refreshes_plain``), and that measurement weighs ``STALE_WEIGHT``. A price that
+    only load time measured is stale from the start: the Qwen pair's plain step of 4 rows came
+    out 5-7% above what steps measured, enough to start its draft model on 4 prompts whose
+    catch-ups (0.55 s) the drafts never repaid.
 
     The sum prices a shape no step has run only as well as load-time passes stand for a
     server's: at 8 rows a server's steps came out up to 1.3x that estimate (SmolLM2 int8,
@@ -265,7 +268,7 @@ class StepCosts:
     attention: Attention = dataclasses.field(default_factory=Attention)
     shapes: dict[int, dict[int, RunningMean]] = dataclasses.field(default_factory=dict)
     estimate_bias: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(1.0))
-    # Per row count: verify passes run since its plain pass was last measured.
+    # Per row count: verify passes run since a step last measured its plain pass.
     unrefreshed: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def predict(self, shape: StepShape) -> float | None:
@@ -284,8 +287,9 @@ class StepCosts:
         return None if decode is None else decode + self.attention.seconds(Attended.of(contexts))
 
     def plain_is_stale(self, rows: int) -> bool:
-        """Whether ``STALE_AFTER`` verify passes of ``rows`` sequences ran since a plain one."""
-        return self.unrefreshed.get(rows, 0) >= STALE_AFTER
+        """Whether ``STALE_AFTER`` verify passes of ``rows`` sequences ran since a plain one,
+        or no step has measured a plain one yet."""
+        return self.unrefreshed.get(rows, STALE_AFTER) >= STALE_AFTER
 
     def target(self, rows: int, tokens: int) -> float | None:
         """The target pass over ``rows`` sequences and ``tokens`` tokens (a decode where they
@@ -323,7 +327,7 @@ class StepCosts:
             self.decode.observe(rows, seconds, STALE_WEIGHT if stale else NEW_WEIGHT)
             self.unrefreshed[rows] = 0
             return
-        self.unrefreshed[rows] = self.unrefreshed.get(rows, 0) + 1
+        self.unrefreshed[rows] = self.unrefreshed.get(rows, STALE_AFTER) + 1
         seen = self.shapes.setdefault(rows, {})
         if tokens not in seen:
             seen[tokens] = RunningMean(self.target(rows, tokens))
