@@ -247,6 +247,50 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
         LLM(tiny_llama.artifact, chunk_time_ratio=0)
 
 
+def test_the_chunk_sizer_learns_from_verify_steps_too(tiny_llama, tiny_llama_draft):
+    """A chunk riding in a verify pass teaches the chunk sizer what it added to that pass as
+    priced, so prompts do not stay at ``FIRST_CHUNK`` tokens a step while every step drafts;
+    outputs are those of no speculation."""
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    llm = LLM(
+        tiny_llama.artifact,
+        draft_model=tiny_llama_draft.artifact,
+        speculative={"method": "draft", "num_speculative_tokens": 2},
+        max_num_batched_tokens=64,
+        chunk_time_ratio=1.0,
+    )
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    learned = []  # (drafts in the step, chunk tokens) per lesson
+    ran, sizer_ran = scheduler.verify_chunk_ran, scheduler.chunk_sizer.ran
+    step = []
+
+    def spy(plan, num_draft, seconds):
+        step[:] = [sum(num_draft)]
+        ran(plan, num_draft, seconds)
+        step.clear()
+
+    def lesson(tokens, added, allowance):
+        learned.append((step[0] if step else 0, tokens))
+        sizer_ran(tokens, added, allowance)
+
+    scheduler.verify_chunk_ran, scheduler.chunk_sizer.ran = spy, lesson
+    late = list(np.random.default_rng(7).integers(3, VOCAB, 200))
+    streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
+    for _ in range(4):
+        engine.step()
+    # Pinned drafts take no plain step: the prices of 2 rows, and of their 4 drafts, are given.
+    scheduler.costs.decode = CostTable({2: 0.010})
+    scheduler.costs.verify = CostTable({2: 0.010, 6: 0.012})
+    engine.add_request(late, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert any(drafts > 0 for drafts, _ in learned)
+    got = [r.output(delta=False).outputs[0].token_ids for r in streams]
+    want = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1]], params)
+    assert got == [w.outputs[0].token_ids for w in want]
+    _no_leak(llm)
+
+
 def test_stream_increments_add_up(tiny_llama):
     llm = LLM(tiny_llama.artifact, speculative={"method": "ngram", "num_speculative_tokens": 3})
     params = SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
