@@ -623,7 +623,7 @@ class Engine:
         if not result.num_draft.any():
             self.scheduler.plain_step_ran(plan, result.target_seconds)
         elif plan.chunk is not None:
-            self.scheduler.verify_chunk_ran(plan, result.num_draft.tolist(), result.target_seconds)
+            self.scheduler.chunk_ran(plan, result.num_draft.tolist(), result.target_seconds)
         if plan.chunk is not None:
             self._commit_prefill(plan.chunk, PrefillResult([]))
         live = [i for i, s in enumerate(plan.seqs) if not s.finished]

@@ -390,25 +390,19 @@ class Scheduler:
                 self._chunks_in_a_row = 0
             return
         self._chunks_in_a_row += 1
-        self._chunk_ran(plan, seconds, self.costs.plain(plan.contexts))
+        self.chunk_ran(plan, [0] * rows, seconds)
 
-    def verify_chunk_ran(self, plan: StepPlan, num_draft: list[int], seconds: float) -> None:
-        """A verify step's pass that carried a chunk: what the chunk added to the verify pass of
-        its drafts, as priced. Learned from plain steps alone, the chunk sizer stayed at
-        ``FIRST_CHUNK`` while the Qwen draft drafted in nearly every step, and prompts arriving
-        one by one at 4 streams came in 8 tokens a step: the batch averaged 2.3 rows and the
-        server ran at 0.83x no speculation (ShareGPT)."""
-        rows, tokens = len(plan.seqs), len(plan.seqs) + sum(num_draft)
-        verify = self.costs.target(rows, tokens)
-        if verify is not None:
-            verify += self.costs.attention.seconds(plan.attended(num_draft))
-        self._chunk_ran(plan, seconds, verify)
-
-    def _chunk_ran(self, plan: StepPlan, seconds: float, without: float | None) -> None:
-        """The chunk sizer learns what ``plan``'s chunk added to a pass that costs ``without``
-        alone (a cold step teaches it nothing)."""
-        allowance = plan.chunk.allowance
+    def chunk_ran(self, plan: StepPlan, num_draft: list[int], seconds: float) -> None:
+        """A pass that carried ``plan``'s chunk beside ``num_draft`` drafts per row: the chunk
+        sizer learns what the chunk added to that pass as priced (a cold step teaches it
+        nothing). Learned from plain steps alone, the sizer stayed at ``FIRST_CHUNK`` while the
+        Qwen draft drafted in nearly every step, and prompts arriving one by one at 4 streams
+        came in 8 tokens a step: the batch averaged 2.3 rows and the server ran at 0.83x no
+        speculation (ShareGPT)."""
+        rows, allowance = len(plan.seqs), plan.chunk.allowance
+        without = self.costs.target(rows, rows + sum(num_draft))
         if without is not None and allowance is not None and not plan.cold:
+            without += self.costs.attention.seconds(plan.attended(num_draft))
             self.chunk_sizer.ran(plan.chunk.tokens(), seconds - without, allowance)
 
     def prefilled(self, work: PrefillWork) -> None:

@@ -261,7 +261,7 @@ def test_the_chunk_sizer_learns_from_verify_steps_too(tiny_llama, tiny_llama_dra
     )
     engine, scheduler = llm.engine, llm.engine.scheduler
     learned = []  # (drafts in the step, chunk tokens) per lesson
-    ran, sizer_ran = scheduler.verify_chunk_ran, scheduler.chunk_sizer.ran
+    ran, sizer_ran = scheduler.chunk_ran, scheduler.chunk_sizer.ran
     step = []
 
     def spy(plan, num_draft, seconds):
@@ -273,7 +273,7 @@ def test_the_chunk_sizer_learns_from_verify_steps_too(tiny_llama, tiny_llama_dra
         learned.append((step[0] if step else 0, tokens))
         sizer_ran(tokens, added, allowance)
 
-    scheduler.verify_chunk_ran, scheduler.chunk_sizer.ran = spy, lesson
+    scheduler.chunk_ran, scheduler.chunk_sizer.ran = spy, lesson
     late = list(np.random.default_rng(7).integers(3, VOCAB, 200))
     streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
     for _ in range(4):
