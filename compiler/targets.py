@@ -7,6 +7,7 @@ runtime alone, and ``--help`` stays instant).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CompileError
@@ -34,13 +35,43 @@ def make_target(name: str, cuda_arch: str = DEFAULT_CUDA_ARCH, cpu: str = DEFAUL
 
     if name == "llvm":
         if cpu == "native":
-            return Target.from_device("cpu")
+            return host_target(Target.from_device("cpu"))
         if not tvm.target.codegen.llvm_is_valid_cpu(cpu, Target.from_device("cpu").mtriple):
             raise CompileError(f"unknown CPU {cpu!r} (e.g. native, x86-64-v3, x86-64-v4)")
         return Target({"kind": "llvm", "mcpu": cpu, "mtriple": Target.from_device("cpu").mtriple})
     if name == "cuda":
         return Target({"kind": "cuda", "arch": cuda_arch}, host={"kind": "llvm"})
     raise CompileError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+
+
+def host_target(host: Target, cpuinfo: Path = Path("/proc/cpuinfo")) -> Target:
+    """``host`` (this machine as LLVM names it) less the vector extensions the CPU does not
+    report. LLVM infers them from the CPU's name, but a virtual machine may present a Zen 4
+    (``znver4``, AVX-512) with AVX-512 masked off, and code built for the name alone dies with
+    an illegal instruction; turning off ``avx512f`` turns off every AVX-512 extension."""
+    from tvm.target import Target
+
+    from mlc_spec.runtime.artifact import missing_cpu_features
+
+    missing = missing_cpu_features(vector_features(host), cpuinfo)
+    if not missing:
+        return host
+    return Target(
+        {
+            "kind": "llvm",
+            "mcpu": host.attrs["mcpu"],
+            "mtriple": host.attrs["mtriple"],
+            "mattr": [f"-{feature}" for feature in missing],
+        }
+    )
+
+
+def cpu_name(target: Target) -> str:
+    """An llvm target's CPU as artifact caches key it: LLVM's name, plus the extensions turned
+    off (``host_target``), so that two hosts of one name but different extensions never share
+    an artifact."""
+    off = [attr[1:] for attr in target.attrs.get("mattr", []) if attr.startswith("-")]
+    return "-no-".join([str(target.attrs["mcpu"]), *off])
 
 
 def vector_features(target: Target) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 from mlc_spec.cli import build_parser, main
 from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.compiler.staging import staged
-from mlc_spec.compiler.targets import ATTENTION, TARGETS
+from mlc_spec.compiler.targets import ATTENTION, TARGETS, cpu_name, host_target, vector_features
 from mlc_spec.runtime.artifact import ACTIVATIONS, CONFIG_FILE, ArtifactError, missing_cpu_features
 from mlc_spec.runtime.model import Model
 
@@ -306,3 +306,27 @@ def test_missing_cpu_features_reads_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma avx512f avx512_vnni\n")
     assert missing_cpu_features(["avx2", "avx512vnni", "avx512bw"], cpuinfo) == ["avx512bw"]
+
+
+AVX2 = "avx avx2 f16c fma"
+AVX512 = "avx512bw avx512dq avx512f avx512vl"
+
+
+@pytest.mark.parametrize(
+    ("flags", "features", "name"),
+    [
+        (AVX2, AVX2, "znver4-no-avx512bw-no-avx512dq-no-avx512f-no-avx512vl-no-avx512vnni"),
+        (f"{AVX2} {AVX512} avx512_vnni", f"{AVX2} {AVX512} avx512vnni", "znver4"),
+    ],
+)
+def test_native_target_drops_extensions_the_cpu_does_not_report(tmp_path, flags, features, name):
+    """A VM may name its CPU a Zen 4 and mask AVX-512 off: native code must not use it."""
+    import tvm
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu {flags}\n")
+    mtriple = tvm.target.Target.from_device("cpu").attrs["mtriple"]
+    host = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mtriple": mtriple})
+    target = host_target(host, cpuinfo)
+    assert vector_features(target) == sorted(features.split())
+    assert cpu_name(target) == name
