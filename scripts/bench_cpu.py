@@ -295,7 +295,7 @@ def compute_floor(parameters: int, threads: int, activations: str) -> ComputeFlo
         raise SystemExit("no AVX2/FMA in lscpu's flags: this benchmark's compute floor needs them")
     per_row = f"{parameters / 1e6:.0f} M weight parameters per row"
     if activations == "int8":
-        probe = peak_rate.VPDPBUSD_512 if "avx512_vnni" in flags else None
+        probe = peak_rate.int8_instruction(flags)
     else:
         probe = peak_rate.FMA_512 if "avx512f" in flags else peak_rate.FMA_256
     rate = probe and peak_rate.measured_rate(probe, threads)

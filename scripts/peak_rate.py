@@ -54,8 +54,25 @@ class Instruction:
 
 
 VPDPBUSD_512 = Instruction("vpdpbusd", "z", 64)
+# Without VNNI the kernels multiply with vpmaddubsw (u8 x s8 pairs summed in int16) and widen
+# with vpmaddwd now and then: its rate alone bounds theirs.
+VPMADDUBSW_512 = Instruction("vpmaddubsw", "z", 64)
+VPMADDUBSW_256 = Instruction("vpmaddubsw", "y", 32)
 FMA_512 = Instruction("vfmadd231ps", "z", 16)
 FMA_256 = Instruction("vfmadd231ps", "y", 8)
+
+
+def int8_instruction(flags: set[str]) -> Instruction | None:
+    """The integer dot product the int8 kernels use on a CPU with these lscpu ``flags`` (as
+    ``compiler/int8_matmul.py: integer_dot`` picks it), where the probe can run it; None for
+    AVX-VNNI on 256 bits, whose mnemonic the assembler takes only with a {vex} prefix."""
+    if "avx512_vnni" in flags and "avx512bw" in flags:
+        return VPDPBUSD_512
+    if "avx512bw" in flags:
+        return VPMADDUBSW_512
+    if "avx_vnni" in flags:
+        return None
+    return VPMADDUBSW_256 if "avx2" in flags else None
 
 
 def measured_rate(instruction: Instruction, threads: int) -> float | None:
