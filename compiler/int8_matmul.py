@@ -58,7 +58,7 @@ from mlc_spec.models.quantized import SUPER_TYPE, GroupFormat, QuantizedWeight, 
 
 from .cpu_rule import for_each_row, scheduled_prim_func
 from .errors import CompileError
-from .vector_reduce import horizontal, tree
+from .vector_reduce import horizontal
 
 _NIBBLES = 0x0F0F0F0F
 _LOW_BITS = 0x01010101
@@ -111,7 +111,8 @@ class IntegerDot:
     codes in registers where they fit: 2 x rows x width + 6 <= 32 with AVX-512. AVX2 has 16,
     yet sweeps wider than that rule allows (4, 4, 2, 2 vectors for 1-4 rows, not 4, 2, 1, 1)
     are faster there: a spilled accumulator costs less than a code vector decoded once more per
-    sweep (docs/kernels.md). AVX-VNNI (16 registers too) keeps the rule, unmeasured.
+    sweep; and passes of up to 8 rows (one vector at 5-8), whose codes are decoded once for all
+    8 rows of a verify (docs/kernels.md). AVX-VNNI (16 registers too) keeps the rule, unmeasured.
     """
 
     lanes: int
@@ -162,16 +163,13 @@ class IntegerDot:
     def accumulate(self, starts: list, rows: list[list[tuple]], bits: int) -> list:
         """Per row, its ``starts`` entry (int32 lanes) plus the exact int32 sum of weight x
         dot(codes, x) over its parts (codes, x: an int32 of 4 int8 activations, broadcast to
-        every lane; weight) of a ``bits``-bit format's group; every row has the same codes. With
-        vpdpbusd the rows' chains advance together, one part at a time: row after row, each
-        chain of dependent dots (5 cycles apiece) outran what the core's scheduler could hold
-        (docs/kernels.md). vpmaddubsw pair sums are added in int16 (as many as cannot
-        saturate, ``_int16_sums``) and widened by vpmaddwd, row by row."""
+        every lane; weight) of a ``bits``-bit format's group; every row has the same codes. The
+        rows' chains advance together, one part at a time: row after row, each chain of
+        dependent instructions outran what the core's scheduler could hold (docs/kernels.md).
+        vpmaddubsw pair sums are added in int16, as many as cannot saturate (``_int16_sums``),
+        and widened by vpmaddwd."""
         if not self.vnni:
-            return [
-                self._pair_chain(start, parts, bits)
-                for start, parts in zip(starts, rows, strict=True)
-            ]
+            return self._pair_chains(starts, rows, bits)
         accs = list(starts)
         for j in range(len(rows[0])):
             for r, parts in enumerate(rows):
@@ -180,14 +178,23 @@ class IntegerDot:
                 accs[r] = T.Bind(dot)
         return accs
 
-    def _pair_chain(self, start, parts: list[tuple], bits: int):
-        acc = start
+    def _pair_chains(self, starts: list, rows: list[list[tuple]], bits: int) -> list:
+        """``accumulate`` with vpmaddubsw: per run of parts of one weight that int16 holds
+        added up, each row's pair sums, part by part across the rows, then each row's widened
+        by vpmaddwd into its int32 accumulator."""
         n = _int16_sums(bits if bits in (5, 6) else 4)
-        for weight in sorted({w for _, _, w in parts}):
-            sums = [self._pair_sums(c, x) for c, x, w in parts if w == weight]
-            for i in range(0, len(sums), n):
-                acc = acc + self._madd(tree(lambda a, b: a + b, sums[i : i + n]), weight)
-        return acc
+        accs = list(starts)
+        for weight in sorted({w for _, _, w in rows[0]}):
+            same = [j for j, (_, _, w) in enumerate(rows[0]) if w == weight]
+            for run in (same[i : i + n] for i in range(0, len(same), n)):
+                pairs = [None] * len(rows)
+                for j in run:
+                    for r, parts in enumerate(rows):
+                        codes, x, _ = parts[j]
+                        s = self._pair_sums(codes, x)
+                        pairs[r] = T.Bind(s if pairs[r] is None else pairs[r] + s)
+                accs = [T.Bind(a + self._madd(p, weight)) for a, p in zip(accs, pairs, strict=True)]
+        return accs
 
     def _bytes(self, codes, x) -> tuple:
         """The byte vectors of codes and of x broadcast (LLVM 21+ types both ``vXi8``)."""
@@ -240,7 +247,7 @@ _INTEGER_DOTS = (
     (
         ("avx2",),
         IntegerDot(
-            8, (4, 4, 2, 2), 4, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"
+            8, (4, 4, 2, 2), 8, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"
         ),
     ),
 )

@@ -50,7 +50,7 @@ PAIRS = [(2 + i, 2 + len(INT8_ONLY) + i) for i in range(len(TWINNED))]
 # for bit: a two-level Q4_K rounds per 32 where a one-level q4g32a (as from Q4_1) rounds per 16.
 # Compiled models never read a twin with int8 activations (they keep the int8-only formats).
 TWIN_GROUPS = {f.portable: activation_group(f) for f in TWINNED}
-# Every exact pass of both vector widths (1..4, 1..8 rows) and full passes with every rest.
+# Every exact pass (1..8 rows; Intel VNNI 1..9) and full passes with every rest.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
 # The instruction sets named in the tests: AVX2 (vpmaddubsw), AVX-512BW (vpmaddubsw, 16 lanes).
 NAMED_CPUS = ("x86-64-v3", "x86-64-v4")
