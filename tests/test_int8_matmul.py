@@ -51,7 +51,7 @@ PAIRS = [(2 + i, 2 + len(INT8_ONLY) + i) for i in range(len(TWINNED))]
 # Compiled models never read a twin with int8 activations (they keep the int8-only formats).
 TWIN_GROUPS = {f.portable: activation_group(f) for f in TWINNED}
 # Every exact pass (1..8 rows; Intel VNNI 1..9) and full passes with every rest.
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 40)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 40)
 # The instruction sets named in the tests: AVX2 (vpmaddubsw), AVX-512BW (vpmaddubsw, 16 lanes).
 NAMED_CPUS = ("x86-64-v3", "x86-64-v4")
 
