@@ -33,6 +33,16 @@ epilogue is kept to a conversion and a multiply-add per activation group and vec
 multiply-add for an offset: the zero point rides in the dot's start value and the offset's
 factor comes precomputed per row.
 
+Two-level formats (GGUF's Q4_K, Q6_K) on the vpmaddubsw path drop that epilogue to one per
+super-group of 256 (``sub_scaled``): their group scales and offsets are small integers, which
+vpmaddwd applies as it widens the pair sums, if the activations of a super-group share one float
+scale. So they are rounded per 256 values, as llama.cpp's Q8_K, each group with that scale
+halved up to 3 times (a shift of its int32 sum) where its values allow
+(``sub_scaled_quantize_func``); a row's groups then add up exactly in int32, and the offsets' or
+zero point's term comes from the codes' sums, two groups per vpmaddwd, once per super-group.
+vpdpbusd, whose int32 dots only a vpmulld could scale, keeps the per-group epilogue: the two
+paths round activations differently there, each row-invariant.
+
 ``vpmaddubsw`` adds two u8 x s8 products in saturating int16, so on that path 8-bit codes are
 split into nibbles, whose dot products ``vpmaddwd`` weights by 1 and 16; 5- and 6-bit codes
 stay whole (a pair sum is at most 2 x 63 x 127), with fewer pair sums added in int16 before
@@ -80,15 +90,32 @@ _CACHE_LINE_BYTES = 64
 # conversion instead of two, which at 9 rows and more, where the epilogue's vector operations
 # bound the kernel, is 7-10% of a Q4_K layer's time (docs/kernels.md, docs/quantization.md).
 _ACTIVATION_GROUP = 16
+# Before two-level formats on the vpmaddubsw path (``sub_scaled``), a row's 256 values share one
+# float scale, as llama.cpp's Q8_K, but each weight group of them is rounded with that scale
+# halved up to this many times where its own largest value allows, so that a group without the
+# super-group's outliers keeps up to 3 more bits. Its codes' sum times 2^3 stays in int16 for
+# vpmaddwd (32 x 127 x 8 < 2^15), and a super-group's total in int32 (Q6_K's, at most 16 x 128
+# x 32 x 127 x 16 x 8 < 2^31, where its unsigned codes' running sum may wrap: int32 adds are
+# exact modulo 2^32, so the total, which fits, comes out right).
+_SUB_SCALE_SHIFTS = 3
 
 
 def activation_group(fmt: GroupFormat) -> int:
     """How many activation values of a row share one int8 scale before a weight in ``fmt``:
     the weight group for a two-level format, else ``_ACTIVATION_GROUP`` or the weight group
-    where that is smaller."""
+    where that is smaller. Not for ``sub_scaled`` kernels, which round otherwise."""
     if fmt.super_group:
         return fmt.group_size
     return min(fmt.group_size, _ACTIVATION_GROUP)
+
+
+def sub_scaled(dot: IntegerDot, fmt: GroupFormat) -> bool:
+    """Whether ``dot`` reads ``fmt`` with activations rounded per super-group with power-of-two
+    steps per weight group (``sub_scaled_quantize_func``): two-level formats on the vpmaddubsw
+    path, whose vpmaddwd then applies the group's integer scale for free, so that a group costs
+    no float arithmetic. vpdpbusd gives int32 dots, which only a vpmulld could scale: VNNI
+    keeps one float epilogue per group."""
+    return bool(fmt.super_group) and dot.vnni is None
 
 
 def _int16_sums(code_bits: int) -> int:
@@ -122,6 +149,11 @@ class IntegerDot:
     maddubs: str | None = None
     maddwd: str | None = None
 
+    @property
+    def instruction(self) -> str:
+        """The integer dot's instruction, which decides how activations round (``sub_scaled``)."""
+        return "vpdpbusd" if self.vnni else "vpmaddubsw"
+
     def decode(self, words: list, bits: int) -> list[tuple]:
         """The vectors of code words of one group -> its parts (codes, column of their first
         activation in the group, weight). 4-bit words give low nibbles (even k) and high
@@ -138,8 +170,8 @@ class IntegerDot:
             if bits == 8 and self.vnni:
                 parts.append((word, 4 * w, 1))
                 continue
-            lo = T.Bind(word & self._i32_const(_NIBBLES))
-            hi = T.Bind((word >> self._i32_const(4)) & self._i32_const(_NIBBLES))
+            lo = T.Bind(word & self.i32_const(_NIBBLES))
+            hi = T.Bind((word >> self.i32_const(4)) & self.i32_const(_NIBBLES))
             if bits == 4:
                 parts += [(lo, 8 * w, 1), (hi, 8 * w + 4, 1)]
             else:
@@ -152,24 +184,26 @@ class IntegerDot:
         extra = bits - 4
         low, column = words[i // 2], 8 * (i // 2) + 4 * (i % 2)
         if i % 2:
-            low = low >> self._i32_const(4)
-        nibbles = low & self._i32_const(_NIBBLES)
+            low = low >> self.i32_const(4)
+        nibbles = low & self.i32_const(_NIBBLES)
         mask = ((1 << extra) - 1) * _LOW_BITS
         shift = 4 - extra * i
-        highs = words[-1] << self._i32_const(shift) if shift > 0 else words[-1]
-        highs = highs >> self._i32_const(-shift) if shift < 0 else highs
-        return [(T.Bind(nibbles | (highs & self._i32_const(mask << 4))), column, 1)]
+        highs = words[-1] << self.i32_const(shift) if shift > 0 else words[-1]
+        highs = highs >> self.i32_const(-shift) if shift < 0 else highs
+        return [(T.Bind(nibbles | (highs & self.i32_const(mask << 4))), column, 1)]
 
-    def accumulate(self, starts: list, rows: list[list[tuple]], bits: int) -> list:
+    def accumulate(self, starts: list, rows: list[list[tuple]], bits: int, factor=None) -> list:
         """Per row, its ``starts`` entry (int32 lanes) plus the exact int32 sum of weight x
         dot(codes, x) over its parts (codes, x: an int32 of 4 int8 activations, broadcast to
-        every lane; weight) of a ``bits``-bit format's group; every row has the same codes. The
+        every lane; weight) of a ``bits``-bit format's group, times ``factor`` (int16 pairs,
+        ``int16_pairs``) where given, which only vpmaddwd applies; every row has the same codes. The
         rows' chains advance together, one part at a time: row after row, each chain of
         dependent instructions outran what the core's scheduler could hold (docs/kernels.md).
         vpmaddubsw pair sums are added in int16, as many as cannot saturate (``_int16_sums``),
         and widened by vpmaddwd."""
         if not self.vnni:
-            return self._pair_chains(starts, rows, bits)
+            return self._pair_chains(starts, rows, bits, factor)
+        assert factor is None, "vpdpbusd has no int16 stage to scale"
         accs = list(starts)
         for j in range(len(rows[0])):
             for r, parts in enumerate(rows):
@@ -178,7 +212,7 @@ class IntegerDot:
                 accs[r] = T.Bind(dot)
         return accs
 
-    def _pair_chains(self, starts: list, rows: list[list[tuple]], bits: int) -> list:
+    def _pair_chains(self, starts: list, rows: list[list[tuple]], bits: int, factor) -> list:
         """``accumulate`` with vpmaddubsw: per run of parts of one weight that int16 holds
         added up, each row's pair sums, part by part across the rows, then each row's widened
         by vpmaddwd into its int32 accumulator."""
@@ -193,7 +227,8 @@ class IntegerDot:
                         codes, x, _ = parts[j]
                         s = self._pair_sums(codes, x)
                         pairs[r] = T.Bind(s if pairs[r] is None else pairs[r] + s)
-                accs = [T.Bind(a + self._madd(p, weight)) for a, p in zip(accs, pairs, strict=True)]
+                madds = [self._madd(p, weight, factor) for p in pairs]
+                accs = [T.Bind(a + d) for a, d in zip(accs, madds, strict=True)]
         return accs
 
     def _bytes(self, codes, x) -> tuple:
@@ -206,9 +241,22 @@ class IntegerDot:
             f"int16x{2 * self.lanes}", self.maddubs, *self._bytes(codes, x)
         )
 
-    def _madd(self, pairs, weight: int):
+    def _madd(self, pairs, weight: int, factor=None):
         w = tirx.Broadcast(tirx.const(weight, "int16"), 2 * self.lanes)
-        return T.call_llvm_pure_intrin(self.i32, self.maddwd, pairs, w)
+        if factor is not None:
+            w = factor if weight == 1 else factor * w
+        return self.madd(pairs, w)
+
+    def madd(self, a, b):
+        """vpmaddwd: per int32 lane, the sum of its two int16 products of a and b, exactly."""
+        return T.call_llvm_pure_intrin(self.i32, self.maddwd, a, b)
+
+    def int16_pairs(self, values):
+        """int32 lanes of small integers -> int16 lanes, each value twice: vpmaddwd's factor."""
+        low = values & self.i32_const(0xFFFF)
+        return T.reinterpret(
+            f"int16x{2 * self.lanes}", low | T.shift_left(values, self.i32_const(16))
+        )
 
     def fma(self, a, b, c):
         """a * b + c on float32 lanes, rounded once: always fused, so every kernel branch (and
@@ -223,7 +271,7 @@ class IntegerDot:
     def f32(self) -> str:
         return f"float32x{self.lanes}"
 
-    def _i32_const(self, value: int):
+    def i32_const(self, value: int):
         return tirx.Broadcast(tirx.const(value, "int32"), self.lanes)
 
 
@@ -284,25 +332,34 @@ class Int8Matmul:
 
     def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor:
         (n, k), fmt = weight.shape, weight.fmt
-        rows, group = op.reshape(x, (-1, k)), activation_group(fmt)
-        m, scales = rows.shape[0], k // group
-        xq, xs, xsum = op.tensor_ir_op(
-            quantize_func(k, fmt.group_size, group, fmt.bits != 8, fmt.zero),
+        rows = op.reshape(x, (-1, k))
+        m, group = rows.shape[0], activation_group(fmt)
+        if sub_scaled(self.dot, fmt):
+            func = sub_scaled_quantize_func(k, fmt.group_size, fmt.super_group)
+            outputs = [
+                ((m, k), "int8"),
+                ((m, k // fmt.super_group), "float32"),
+                ((m, k // fmt.group_size), "int32"),
+                ((m, k // fmt.group_size), "int16"),
+            ]
+        else:
+            func = quantize_func(k, fmt.group_size, group, fmt.bits != 8, fmt.zero)
+            sums = (m, _sums_count(k, fmt.group_size, group, fmt.zero))
+            outputs = [
+                ((m, k), "int8"),
+                ((m, k // group), "float32"),
+                (sums, _sums_dtype(fmt.zero)),
+            ]
+        activations = op.tensor_ir_op(
+            func,
             f"{name}_quantize_x",
             [rows],
-            [
-                nn.Tensor.placeholder((m, k), "int8"),
-                nn.Tensor.placeholder((m, scales), "float32"),
-                nn.Tensor.placeholder(
-                    (m, _sums_count(k, fmt.group_size, group, fmt.zero)),
-                    _sums_dtype(fmt.zero),
-                ),
-            ],
+            [nn.Tensor.placeholder(shape, dtype) for shape, dtype in outputs],
         )
         out = op.tensor_ir_op(
             matmul_func(self.dot, fmt, n, k, panel_width(n), group),
             f"{name}_int8",
-            [xq, xs, xsum, *weight.tensors()],
+            [*activations, *weight.tensors()],
             nn.Tensor.placeholder((m, n), "float32"),
         )
         return op.reshape(out, (*x.shape[:-1], n))
@@ -385,6 +442,59 @@ def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) 
 
 
 @cache
+def sub_scaled_quantize_func(k: int, group: int, super_group: int) -> tirx.PrimFunc:
+    """x [M, k] float32 -> (codes int8 [M, k], scales float32 [M, k/super_group], shifts int32
+    [M, k/group], sums int16 [M, k/group]) for ``sub_scaled`` kernels: per row and super-group,
+    amax its largest |x| and per weight group of ``group`` values e its largest e <=
+    ``_SUB_SCALE_SHIFTS`` with amax_g * 2^e <= amax: code = nearbyint(x * (127 / amax) * 2^e),
+    so that x = code * scale * 2^shift with scale = amax / 127 / 2^_SUB_SCALE_SHIFTS and shift =
+    _SUB_SCALE_SHIFTS - e; sums = sum(codes) * 2^shift, what a group's offset or zero point
+    multiplies. Codes in the order of ``quantize_func`` with interleave."""
+    groups, per_super, top = k // group, super_group // group, _SUB_SCALE_SHIFTS
+    with IRBuilder() as ib, scheduled_prim_func():
+        m = T.int64()
+        x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
+        xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
+        xs = T.match_buffer(T.arg("xs", T.handle()), (m, k // super_group), "float32")
+        shifts = T.match_buffer(T.arg("xshift", T.handle()), (m, groups), "int32")
+        sums = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int16")
+        order = sorted(range(group), key=lambda j: _slot(j, True))
+        zero_f = T.float32(0)
+
+        def quantize_row(r) -> None:
+            with T.serial(0, k // super_group) as s:
+                amaxes = T.alloc_buffer((per_super,), "float32", scope="global")
+                with T.serial(0, per_super) as h:
+                    v = x.vload([r, (s * per_super + h) * group], f"float32x{group}")
+                    T.buffer_store(amaxes, horizontal(T.max, T.abs(v), group), [h])
+                amax = T.Bind(amaxes[0])
+                for h in range(1, per_super):
+                    amax = T.Bind(T.max(amax, amaxes[h]))
+                inv = T.Bind(T.Select(amax > zero_f, T.float32(_INT8_MAX) / amax, zero_f))
+                T.buffer_store(xs, amax / T.float32(_INT8_MAX * (1 << top)), [r, s])
+                with T.serial(0, per_super) as h:
+                    g = s * per_super + h
+                    a = T.Bind(amaxes[h])
+                    e = T.int32(0)
+                    for step in range(1, top + 1):
+                        e = T.Select(a * T.float32(1 << step) <= amax, T.int32(step), e)
+                    e = T.Bind(e)
+                    power = T.Cast("float32", T.shift_left(T.int32(1), e))
+                    v = x.vload([r, g * group], f"float32x{group}")
+                    rounded = T.nearbyint(v * tirx.Broadcast(T.Bind(inv * power), group))
+                    codes = T.Bind(T.Cast(f"int32x{group}", rounded))
+                    stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
+                    T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
+                    shift = T.Bind(T.int32(top) - e)
+                    T.buffer_store(shifts, shift, [r, g])
+                    total = T.Bind(horizontal(lambda a, b: a + b, codes, group))
+                    T.buffer_store(sums, T.Cast("int16", T.shift_left(total, shift)), [r, g])
+
+        for_each_row(m, m * k, quantize_row)  # prefill's rows on the thread pool
+    return ib.get()
+
+
+@cache
 def matmul_func(
     dot: IntegerDot, fmt: GroupFormat, n: int, k: int, panel: int, group: int | None = None
 ) -> tirx.PrimFunc:
@@ -406,7 +516,8 @@ _Index = tirx.Expr | int  # a loop variable, an expression of them, or a constan
 class _Shape:
     """The static shape of one kernel: ``lanes`` per vector, ``panels`` panels of
     ``panel_rows`` rows, ``groups`` groups along k, ``words`` code words (uint32) per group and
-    row, ``split`` activation groups of ``scaled`` values per group."""
+    row, ``split`` activation groups of ``scaled`` values per group; ``sub_scaled``: the
+    activations of ``sub_scaled_quantize_func`` instead (one group, one shift each)."""
 
     lanes: int
     panel_rows: int
@@ -415,6 +526,7 @@ class _Shape:
     words: int
     split: int
     scaled: int
+    sub_scaled: bool
 
     @classmethod
     def of(
@@ -422,7 +534,8 @@ class _Shape:
     ) -> _Shape:
         words = fmt.group_size * fmt.bits // 32
         split = fmt.group_size // group
-        return cls(dot.lanes, panel, n // panel, k // fmt.group_size, words, split, group)
+        groups, integer = k // fmt.group_size, sub_scaled(dot, fmt)
+        return cls(dot.lanes, panel, n // panel, groups, words, split, group, integer)
 
     @property
     def vectors(self) -> int:
@@ -432,12 +545,14 @@ class _Shape:
 
 @dataclass(frozen=True)
 class _Params:
-    """The kernel's parameters, ``m`` (rows) symbolic; ``offsets`` for asymmetric formats,
-    ``super_*`` for two-level ones (their group scales and offsets are small integers)."""
+    """The kernel's parameters, ``m`` (rows) symbolic; ``xshift`` for ``sub_scaled`` kernels,
+    ``offsets`` for asymmetric formats, ``super_*`` for two-level ones (their group scales and
+    offsets are small integers)."""
 
     m: tirx.Var
     xq: tirx.Buffer
     xs: tirx.Buffer
+    xshift: tirx.Buffer | None
     xsum: tirx.Buffer
     codes: tirx.Buffer
     scales: tirx.Buffer
@@ -452,9 +567,15 @@ class _Params:
         m = T.int64()
         groups, per_group = shape.groups, (shape.panels, shape.groups, shape.panel_rows)
         xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
-        xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * shape.split), "float32")
-        sums = (m, _sums_count(k, fmt.group_size, shape.scaled, fmt.zero))
-        xsum = T.match_buffer(T.arg("xsum", T.handle()), sums, _sums_dtype(fmt.zero))
+        if shape.sub_scaled:
+            xs = T.match_buffer(T.arg("xs", T.handle()), (m, k // fmt.super_group), "float32")
+            xshift = T.match_buffer(T.arg("xshift", T.handle()), (m, groups), "int32")
+            xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int16")
+        else:
+            xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * shape.split), "float32")
+            sums = (m, _sums_count(k, fmt.group_size, shape.scaled, fmt.zero))
+            xsum = T.match_buffer(T.arg("xsum", T.handle()), sums, _sums_dtype(fmt.zero))
+            xshift = None
         words = (shape.panels, groups * shape.words, shape.panel_rows)
         codes = T.arg("codes", T.buffer(words, "uint32"))
         group_type = str(np.dtype(fmt.group_type))
@@ -467,25 +588,33 @@ class _Params:
             if fmt.asymmetric:
                 super_offsets = T.arg("super_offsets", T.buffer(supers, SUPER_TYPE))
         out = T.match_buffer(T.arg("out", T.handle()), (m, n), "float32")
-        return cls(m, xq, xs, xsum, codes, scales, offsets, super_scales, super_offsets, out)
+        return cls(
+            m, xq, xs, xshift, xsum, codes, scales, offsets, super_scales, super_offsets, out
+        )
 
 
 @dataclass(frozen=True)
 class _Accumulators:
-    """float32 accumulators of ``width`` vectors per row, slot i of row r at (r, i)."""
+    """Accumulators (float32, or int32) of ``width`` vectors per row, slot i of row r at (r, i)."""
 
     buffer: tirx.Buffer
     width: int
     lanes: int
 
     @classmethod
-    def alloc(cls, rows: int, width: int, lanes: int) -> _Accumulators:
+    def alloc(cls, rows: int, width: int, lanes: int, dtype: str = "float32") -> _Accumulators:
         # "global": under 1 KB (every tile here) TVM keeps it on the stack, where LLVM holds it
         # in registers; "local" costs a TVMBackendAllocWorkspace call per pass (docs/kernels.md).
-        return cls(T.alloc_buffer((rows * width * lanes,), "float32", scope="global"), width, lanes)
+        return cls(T.alloc_buffer((rows * width * lanes,), dtype, scope="global"), width, lanes)
 
     def load(self, r: int, i: int) -> tirx.Expr:
-        return self.buffer.vload([(r * self.width + i) * self.lanes], f"float32x{self.lanes}")
+        dtype = f"{self.buffer.dtype}x{self.lanes}"
+        return self.buffer.vload([(r * self.width + i) * self.lanes], dtype)
+
+    def clear(self) -> None:
+        for slot in range(int(self.buffer.shape[0]) // self.lanes):
+            zero = tirx.Broadcast(tirx.const(0, str(self.buffer.dtype)), self.lanes)
+            T.buffer_store(self.buffer, zero, [T.ramp(slot * self.lanes, 1, self.lanes)])
 
     def store(self, r: int, i: int, value: tirx.Expr) -> None:
         T.buffer_store(
@@ -545,13 +674,14 @@ class _Kernel:
         """``sweep`` over all groups, its accumulators in registers."""
         lanes, width, rows = self.shape.lanes, sweep.width, sweep.rows
         acc = _Accumulators.alloc(rows, width, lanes)
-        for r in range(rows):
-            for i in range(width):
-                acc.store(r, i, tirx.Broadcast(T.float32(0), lanes))
-        with T.serial(0, self.shape.groups) as g:
-            asks = _spread(self.prefetches(sweep, g), width * rows)
-            for i in range(width):
-                self.group_terms(sweep, g, i, acc, asks[i * rows : (i + 1) * rows])
+        acc.clear()
+        if self.shape.sub_scaled:
+            self.super_groups(sweep, acc)
+        else:
+            with T.serial(0, self.shape.groups) as g:
+                asks = _spread(self.prefetches(sweep, g), width * rows)
+                for i in range(width):
+                    self.group_terms(sweep, g, i, acc, asks[i * rows : (i + 1) * rows])
         for r in range(rows):
             for i in range(width):
                 column = T.ramp(
@@ -609,6 +739,97 @@ class _Kernel:
             if offset is not None:
                 value = self.dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
             acc.store(r, i, value)
+
+    def super_groups(self, sweep: _Sweep, acc: _Accumulators) -> None:
+        """A ``sub_scaled`` sweep: per super-group, each row's exact int32 sum over its groups
+        of scale x dot x 2^shift (``group_integers``), then one float epilogue with the term of
+        the codes' sums (``code_sum_terms``): acc += (sum x d + term x dmin) x xscale, or with
+        a zero point (sum - zero x term) x d x xscale."""
+        fmt, lanes, rows, width = self.fmt, self.shape.lanes, sweep.rows, sweep.width
+        p, per_super = sweep.panel, fmt.super_group // fmt.group_size
+        dots = _Accumulators.alloc(rows, width, lanes, "int32")
+        with T.serial(0, self.shape.groups // per_super) as s:
+            dots.clear()
+            with T.serial(0, per_super) as h:
+                g = s * per_super + h
+                asks = _spread(self.prefetches(sweep, g), width * rows)
+                for i in range(width):
+                    self.group_integers(sweep, g, i, dots, asks[i * rows : (i + 1) * rows])
+            for i in range(width):
+                lane0 = (sweep.first + i) * lanes
+                d = T.Bind(self.widened(self.params.super_scales, [p, s, lane0]))
+                dmin = None
+                if self.params.super_offsets is not None:
+                    dmin = T.Bind(self.widened(self.params.super_offsets, [p, s, lane0]))
+                terms = self.code_sum_terms(sweep, s, lane0)
+                for r in range(rows):
+                    xscale = tirx.Broadcast(self.params.xs[sweep.base + r, s], lanes)
+                    total = dots.load(r, i)
+                    if fmt.zero:
+                        total = total - terms[r] * self.dot.i32_const(fmt.zero)
+                    value = self.dot.fma(T.Cast(self.dot.f32, total), d * xscale, acc.load(r, i))
+                    if dmin is not None:
+                        value = self.dot.fma(T.Cast(self.dot.f32, terms[r]), dmin * xscale, value)
+                    acc.store(r, i, value)
+
+    def group_integers(
+        self, sweep: _Sweep, g: _Index, i: int, dots: _Accumulators, ahead: list[list]
+    ) -> None:
+        """Adds group g of the sweep's vector i to slot i of its rows' int32 sums: vpmaddwd
+        weights the rows' pair sums by the group's scale (``IntegerDot.accumulate``), and the
+        row's shift (``sub_scaled_quantize_func``) follows. ``ahead[r]``: prefetches beside row
+        r's."""
+        lanes, params, fmt = self.shape.lanes, self.params, self.fmt
+        p, base = sweep.panel, sweep.base
+        lane0 = (sweep.first + i) * lanes
+        parts = self.group_parts(p, g, lane0)
+        pairs = T.Bind(self.dot.int16_pairs(self.small_integers(params.scales, p, g, lane0)))
+        words = [
+            [(c, self.x_word(base + r, g * fmt.group_size + col), w) for c, col, w in parts]
+            for r in range(sweep.rows)
+        ]
+        zeros = [self.dot.i32_const(0)] * sweep.rows
+        sums = self.dot.accumulate(zeros, words, fmt.bits, pairs)
+        for r in range(sweep.rows):
+            for call in ahead[r]:
+                T.evaluate(call)
+            shift = tirx.Broadcast(params.xshift[base + r, g], lanes)
+            dots.store(r, i, dots.load(r, i) + T.shift_left(sums[r], shift))
+
+    def code_sum_terms(self, sweep: _Sweep, s: _Index, lane0: _Index) -> list:
+        """Per row, the sum over super-group s's groups of offset (or scale, with a zero point)
+        x the row's code sum x 2^shift: vpmaddwd takes two groups at a time, their integers
+        interleaved in each lane against the row's two sums as one int32, once per super-group
+        rather than once per group in the loop carrying the dots."""
+        params, per_super = self.params, self.fmt.super_group // self.fmt.group_size
+        small = params.offsets if params.offsets is not None else params.scales
+        first = s * per_super
+        factors = []
+        for j in range(0, per_super, 2):
+            low, high = (
+                self.small_integers(small, sweep.panel, first + j + t, lane0) for t in (0, 1)
+            )
+            interleaved = (low & self.dot.i32_const(0xFFFF)) | T.shift_left(
+                high, self.dot.i32_const(16)
+            )
+            factors.append(T.Bind(T.reinterpret(f"int16x{2 * self.shape.lanes}", interleaved)))
+        terms = []
+        for r in range(sweep.rows):
+            total = None
+            for t, factor in enumerate(factors):
+                sums = T.reinterpret(
+                    "int32", params.xsum.vload([sweep.base + r, first + 2 * t], "int16x2")
+                )
+                both = tirx.Broadcast(sums, self.shape.lanes)
+                term = self.dot.madd(factor, T.reinterpret(f"int16x{2 * self.shape.lanes}", both))
+                total = term if total is None else total + term
+            terms.append(T.Bind(total))
+        return terms
+
+    def small_integers(self, buffer: tirx.Buffer, p: _Index, g: _Index, lane0: _Index):
+        """A two-level format's group integers (scales or offsets) of group g, as int32 lanes."""
+        dtype = f"{np.dtype(self.fmt.group_type)}x{self.shape.lanes}"
+        return T.Cast(self.dot.i32, buffer.vload([p, g, lane0], dtype))
 
     def prefetches(self, sweep: _Sweep, g: _Index) -> list:
         """Calls asking for the lines that this sweep reads ``_PREFETCH_L2_BYTES`` of codes on

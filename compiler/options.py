@@ -114,12 +114,14 @@ def default_activations(source_hash: str, quantization: str, tvm_target: Target)
     """The activations when ``--activations`` is not given: int8 for a file (by its sha256)
     where they were measured at least as faithful to the float model as llama.cpp
     (``activations_default``), its quantized weights kept as shipped, on a CPU with an integer
-    dot product (VNNI or AVX2); float everywhere else."""
+    dot product (VNNI or AVX2) whose arithmetic was measured so; float everywhere else."""
     if tvm_target.kind.name != "llvm" or quantization != "as-source":
         return "float"
-    if not int8_by_default(source_hash):
+    try:
+        instruction = integer_dot(tvm_target).instruction
+    except CompileError:
         return "float"
-    return fastest_activations(tvm_target)
+    return "int8" if int8_by_default(source_hash, instruction) else "float"
 
 
 def fastest_activations(tvm_target: Target) -> str:

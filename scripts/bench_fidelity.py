@@ -77,6 +77,7 @@ class Measured:
     """One model's run: what was compared and the per-position figures."""
 
     key: str
+    instruction: str  # our integer dot's (IntegerDot.instruction): how int8 activations round
     problems: int
     chunks: int
     tokens_note: str
@@ -115,6 +116,8 @@ def main() -> None:
     import tvm
 
     from mlc_spec.compiler.cache import compiled
+    from mlc_spec.compiler.int8_matmul import integer_dot
+    from mlc_spec.compiler.targets import make_target
     from mlc_spec.runtime.model import Model
     from mlc_spec.runtime.tokenizer import Tokenizer
 
@@ -132,6 +135,7 @@ def main() -> None:
     base = timed("llama.cpp F32 base", base_logits, source, work, args.chunks)
     measured = Measured(
         key=args.model,
+        instruction=integer_dot(make_target("llvm")).instruction,
         problems=problems,
         chunks=args.chunks,
         tokens_note=compare_tokens(base, tokenizer.encode(text), source),
@@ -160,11 +164,11 @@ def main() -> None:
     print(section)
     print(
         f"\ncompiler/activations_default.py entry:\n    {PYPI_MODELS[name].sha256!r}: "
-        f"Int8Fidelity({name!r}, int8_kl={measured.int8_kl:.6g}, "
+        f"Int8Fidelity({name!r}, int8_kl={{{measured.instruction!r}: {measured.int8_kl:.6g}}}, "
         f"llamacpp_kl={measured.llamacpp_kl:.6g}),"
     )
     if args.write:
-        write_section(args.write, f"bench_fidelity-{args.model}", section)
+        write_section(args.write, f"bench_fidelity-{args.model}-{measured.instruction}", section)
 
 
 def timed(what: str, fn, *args, **kwargs):
@@ -366,7 +370,8 @@ def render(m: Measured, context: list[str]) -> str:
         )
     return "\n".join(
         [
-            f"#### {label} (GGUF sha256 {PYPI_MODELS[name].sha256[:12]}…, as shipped)",
+            f"#### {label} (GGUF sha256 {PYPI_MODELS[name].sha256[:12]}…, as shipped), "
+            f"ours with {m.instruction}",
             "",
             f"HumanEval problems 0-{m.problems - 1}; {m.chunks} chunks of {N_CTX} tokens, "
             f"positions {N_CTX // 2}-{N_CTX - 2} of each scored; {m.tokens_note}.",

@@ -17,13 +17,16 @@ from mlc_spec.compiler.sources import sha256_files
 from mlc_spec.compiler.targets import make_target
 from mlc_spec.runtime.artifact import read_config
 
-FAITHFUL = Int8Fidelity("faithful", int8_kl=0.001, llamacpp_kl=0.002)
-UNFAITHFUL = Int8Fidelity("unfaithful", int8_kl=0.003, llamacpp_kl=0.002)
+BOTH = ("vpdpbusd", "vpmaddubsw")
+FAITHFUL = Int8Fidelity("faithful", int8_kl=dict.fromkeys(BOTH, 0.001), llamacpp_kl=0.002)
+UNFAITHFUL = Int8Fidelity("unfaithful", int8_kl=dict.fromkeys(BOTH, 0.003), llamacpp_kl=0.002)
 
 
 @pytest.fixture
 def measured(monkeypatch):
     table = {"a" * 64: FAITHFUL, "b" * 64: UNFAITHFUL}
+    for i, instruction in enumerate(BOTH):  # faithful with one instruction, unmeasured on the other
+        table["de"[i] * 64] = Int8Fidelity("one", {instruction: 0.001}, llamacpp_kl=0.002)
     monkeypatch.setattr(activations_default, "MEASURED", table)
     return table
 
@@ -35,6 +38,9 @@ def test_int8_only_where_measured_faithful(measured):
     assert default_activations("c" * 64, "as-source", cpu) == "float"  # never measured
     assert default_activations("a" * 64, "q4", cpu) == "float"  # not the weights measured
     assert default_activations("a" * 64, "as-source", make_target("cuda")) == "float"
+    avx2 = make_target("llvm", cpu="x86-64-v3")  # vpmaddubsw: measured for "e" only
+    assert default_activations("d" * 64, "as-source", avx2) == "float"
+    assert default_activations("e" * 64, "as-source", avx2) == "int8"
 
 
 class _Written(Exception):

@@ -160,5 +160,8 @@ def test_recorded_int8_verdicts_follow_the_rule():
     shipped = {model.sha256: name for name, model in MODELS.items()}
     for sha256, verdict in MEASURED.items():
         assert shipped.get(sha256) == verdict.model
-        assert int8_by_default(sha256) == (verdict.int8_kl <= verdict.llamacpp_kl)
-    assert not int8_by_default("0" * 64)
+        for instruction in ("vpdpbusd", "vpmaddubsw"):
+            kl = verdict.int8_kl.get(instruction)
+            faithful = kl is not None and kl <= verdict.llamacpp_kl
+            assert int8_by_default(sha256, instruction) == faithful
+    assert not int8_by_default("0" * 64, "vpdpbusd")

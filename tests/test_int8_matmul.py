@@ -17,6 +17,7 @@ from mlc_spec.compiler.int8_matmul import (
     activation_group,
     integer_dot,
     matmul_func,
+    sub_scaled,
 )
 from mlc_spec.compiler.pipeline import relax_pipeline
 from mlc_spec.compiler.quantization import (
@@ -66,13 +67,29 @@ def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(g * inv[..., None]).astype(np.int64), amax / np.float32(127)
 
 
-def reference(x: np.ndarray, w: QuantizedTensor, group: int) -> np.ndarray:
+def sub_scaled_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_rows`` as ``sub_scaled_quantize_func`` rounds before a two-level format: per
+    256 values one amax, per group the scale amax / 127 halved e <= 3 times, e the most that
+    keeps the group's codes within 127."""
+    m, k = x.shape
+    g = x.reshape(m, k // 256, 256 // group, group)
+    amax_g = np.abs(g).max(-1)
+    amax = amax_g.max(-1, keepdims=True)
+    e = sum((amax_g * np.float32(1 << t) <= amax).astype(np.int32) for t in (1, 2, 3))
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    power = np.float32(2) ** e.astype(np.float32)
+    codes = np.rint(g * (inv * power)[..., None]).astype(np.int64)
+    scales = (amax / np.float32(127)) / power
+    return codes.reshape(m, k // group, group), scales.reshape(m, k // group)
+
+
+def reference(x: np.ndarray, w: QuantizedTensor, group: int, sub_scaled: bool) -> np.ndarray:
     """x @ W.T with x quantized as the kernel does it, per activation group of ``group``
-    values: exact integer dots per activation group, then
-    (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
+    values (``sub_scaled``: as ``sub_scaled_rows``): exact integer dots per activation group,
+    then (acc - zero * sum(xq)) * scale * xscale (+ offset * xscale * sum(xq)), in float64."""
     w = to_portable(w)
     fmt = w.fmt
-    q, xs = quantize_rows(x, group)
+    q, xs = sub_scaled_rows(x, group) if sub_scaled else quantize_rows(x, group)
     n, k = w.shape
     codes = unpack_codes(w.codes, fmt.bits).astype(np.int64).reshape(n, -1, group)
     acc = np.einsum("mgj,ngj->mng", q, codes)
@@ -146,7 +163,11 @@ def test_int8_matmul_matches_numpy(cpu, monkeypatch):
             pytest.skip("this CPU's integer dot product is x86-64-v3's")
     rng = np.random.default_rng(0)
     weights = [_weight(fmt, rng) for fmt in FORMATS]
-    # Each weight only this kernel reads, in its portable format: equal outputs, bit for bit.
+    dot = integer_dot(target)
+    integer = [sub_scaled(dot, fmt) for fmt in FORMATS]
+    # Each weight only this kernel reads, in its portable format: equal outputs, bit for bit,
+    # where both round activations alike (a sub-scaled two-level format does not).
+    pairs = [(two, one) for two, one in PAIRS if not integer[two]]
     for two, one in PAIRS:
         weights[one] = to_portable(weights[two])
     mod, _ = _Linears(target).export_tvm(
@@ -161,11 +182,11 @@ def test_int8_matmul_matches_numpy(cpu, monkeypatch):
         x = _inputs(rows, rng)
         out = vm["forward"](tvm.runtime.tensor(x), *params).numpy()
         ref = np.concatenate(
-            [reference(x, w, g) for w, g in zip(weights, groups, strict=True)], axis=-1
+            [reference(x, *case) for case in zip(weights, groups, integer, strict=True)], axis=-1
         )
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=rows)
         outs = out.reshape(rows, len(FORMATS), N)
-        for two, one in PAIRS:
+        for two, one in pairs:
             np.testing.assert_array_equal(outs[:, two], outs[:, one], err_msg=rows)
 
 

@@ -14,7 +14,7 @@ from tiny_models import fake_quantize_activations, tiny_config
 
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
-from mlc_spec.compiler.int8_matmul import activation_group
+from mlc_spec.compiler.int8_matmul import activation_group, integer_dot, sub_scaled
 from mlc_spec.compiler.options import CompileOptions
 from mlc_spec.compiler.quantization import (
     GroupFormat,
@@ -30,6 +30,7 @@ from mlc_spec.compiler.quantization.plan import (
     requantize_lm_head,
 )
 from mlc_spec.compiler.sources import load_source
+from mlc_spec.compiler.targets import make_target
 from mlc_spec.runtime.artifact import read_config
 from mlc_spec.runtime.model import Model
 
@@ -104,10 +105,11 @@ def test_gguf_as_source_matches_transformers(tmp_path, arch):
 def test_gguf_int8_formats_equal_portable(tiny_gguf_int8, tmp_path, monkeypatch):
     """With int8 activations Q4_K and Q6_K stay two-level, Q5_0 keeps 5-bit codes and the
     one-level types their f16 scales, and they compute bit for bit the logits of the same file
-    compiled with their portable formats (8-bit ``q8g16`` / ``q8g32`` with float32 scales, one-level
+    compiled with their portable formats (8-bit ``q8g32`` with float32 scales, one-level
     ``q4g32`` / ``q4g32a``, as the float path loads them): every product of their decoding is
-    exact. Q4_K stays two-level in both: its activations round per 32 where a one-level
-    ``q4g32a``'s (as from Q4_1) round per 16, so its twin is pinned by test_int8_matmul. A Q4_K
+    exact. Q4_K and Q6_K stay two-level in both: their activations round per 256 (with
+    power-of-two steps per group on the vpmaddubsw path) or per group, where one-level formats
+    round per 16, so their twins are pinned by test_int8_matmul where they exist. A Q4_K
     embedding table that the lookup decodes, a Q6_K LM head and down projection, a Q5_0 down
     projection."""
     path = tiny_gguf_int8.parent / "tiny.gguf"
@@ -125,18 +127,18 @@ def test_gguf_int8_formats_equal_portable(tiny_gguf_int8, tmp_path, monkeypatch)
     assert formats["model.embed_tokens.weight"] == "q4g32as256"
     assert formats["lm_head.weight"] == "q6g16s256"
 
-    q4_k, load = format_of(T.Q4_K), plan_module._load
+    two_level, load = {format_of(T.Q4_K), format_of(T.Q6_K)}, plan_module._load
 
     def portable(stored, cap, int8_formats):
-        return load(stored, cap, int8_formats=stored == q4_k)
+        return load(stored, cap, int8_formats=stored in two_level)
 
     monkeypatch.setattr(plan_module, "_load", portable)
     widened = compile_model(
         path, "llvm", tmp_path / "portable", CompileOptions(activations="int8"), show_progress=False
     )
     stored = set(_stored_formats(widened).values())
-    assert {"q4g32as256", "q4g32a", "q8g16", "q8g32"} <= stored
-    assert not {"q6g16s256", "q5g32h", "q4g32h", "q4g32ah"} & stored
+    assert {"q4g32as256", "q6g16s256", "q4g32a", "q8g32"} <= stored
+    assert not {"q5g32h", "q4g32h", "q4g32ah"} & stored
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     np.testing.assert_array_equal(_our_logits(tiny_gguf_int8, seq), _our_logits(widened, seq))
 
@@ -144,8 +146,9 @@ def test_gguf_int8_formats_equal_portable(tiny_gguf_int8, tmp_path, monkeypatch)
 def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     """A tied Q6_K table with int8 activations (Qwen2.5's as shipped), decoded by the lookup
     and by the LM head alike, computes what transformers computes on the file's dequantized
-    weights with each linear layer's input rounded to int8 in its format's activation groups
-    (16 values, 32 before Q4_K); the first layer only, to keep the suite short."""
+    weights with each linear layer's input rounded to int8 as the kernel rounds it before its
+    format (per 16 values; before Q4_K and Q6_K per group, or on the vpmaddubsw path per 256
+    with power-of-two steps per group); the first layer only, to keep the suite short."""
     override = {"model.embed_tokens.weight": T.Q6_K}
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "qwen2", override)
     artifact = compile_model(
@@ -162,7 +165,8 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
 
     types = {f"model.layers.0.{kind}": t for kind, t in LAYER_TYPES[0].items()}
     layers = {**types, "lm_head": T.Q6_K}
-    groups = {name: activation_group(format_of(t)) for name, t in layers.items()}
+    dot = integer_dot(make_target("llvm"))
+    groups = {name: _rounding(dot, format_of(t)) for name, t in layers.items()}
     hf = fake_quantize_activations(_reference(path, "qwen2", num_layers=1), groups)
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     ref = _logits(hf, seq)[35:]
@@ -175,6 +179,11 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     assert np.median(miss) <= 1e-6
     assert miss.max() <= 5e-3
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def _rounding(dot, fmt) -> int | tuple[int, int]:
+    """How ``dot`` rounds activations before ``fmt``, as ``fake_quantize_activations`` takes it."""
+    return (fmt.group_size, fmt.super_group) if sub_scaled(dot, fmt) else activation_group(fmt)
 
 
 def _stored_formats(artifact) -> dict[str, str]:

@@ -79,22 +79,35 @@ def quantize_dequantize(
 
 
 def fake_quantize_activations(
-    model: torch.nn.Module, group: int | Mapping[str, int] = 16
+    model: torch.nn.Module, group: int | Mapping[str, int | tuple[int, int]] = 16
 ) -> torch.nn.Module:
     """``model`` with the input of every linear layer quantized to int8 per row and group of
     ``group`` and back (scale amax / 127, round half to even): the float model that an
     ``--activations int8`` artifact of it computes with integer dot products, which round per
-    16 values, or per weight group before two-level formats (``int8_matmul.activation_group``). A
+    16 values, or per weight group before two-level formats (``int8_matmul.activation_group``).
+    A pair (group, super-group) rounds as ``int8_matmul.sub_scaled_quantize_func`` does: one
+    amax per super-group, halved up to 3 times per group where the group's values allow. A
     mapping gives each layer (by module name) its own group; layers it does not name keep float
     inputs, as float weights do."""
 
-    def quantizer(size: int) -> Callable:
+    def rounded(g: torch.Tensor, amax: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        return torch.round(g * (inv * power)) * (amax / 127 / power)
+
+    def quantizer(size: int | tuple[int, int]) -> Callable:
         def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
             x = args[0]
+            if isinstance(size, tuple):
+                group, super_group = size
+                shape = (*x.shape[:-1], x.shape[-1] // super_group, super_group // group, group)
+                g = x.reshape(shape)
+                amax_g = g.abs().amax(-1, keepdim=True)
+                amax = amax_g.amax(-2, keepdim=True)
+                e = sum((amax_g * 2**t <= amax).to(x.dtype) for t in (1, 2, 3))
+                return rounded(g, amax, 2**e).reshape(x.shape), *args[1:]
             g = x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
             amax = g.abs().amax(-1, keepdim=True)
-            inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-            return (torch.round(g * inv) * (amax / 127)).reshape(x.shape), *args[1:]
+            return rounded(g, amax, torch.ones_like(amax)).reshape(x.shape), *args[1:]
 
         return quantize
 
