@@ -242,21 +242,21 @@ class IntegerDot:
         )
 
     def _madd(self, pairs, weight: int, factor=None):
-        w = tirx.Broadcast(tirx.const(weight, "int16"), 2 * self.lanes)
-        if factor is not None:
-            w = factor if weight == 1 else factor * w
-        return self.madd(pairs, w)
+        if factor is None:
+            return self.madd(pairs, tirx.Broadcast(tirx.const(weight, "int16"), 2 * self.lanes))
+        assert weight == 1, "a factor scales whole codes (two-level formats: 4 or 6 bits)"
+        return self.madd(pairs, factor)
 
     def madd(self, a, b):
         """vpmaddwd: per int32 lane, the sum of its two int16 products of a and b, exactly."""
         return T.call_llvm_pure_intrin(self.i32, self.maddwd, a, b)
 
-    def int16_pairs(self, values):
-        """int32 lanes of small integers -> int16 lanes, each value twice: vpmaddwd's factor."""
-        low = values & self.i32_const(0xFFFF)
-        return T.reinterpret(
-            f"int16x{2 * self.lanes}", low | T.shift_left(values, self.i32_const(16))
-        )
+    def int16_pairs(self, low, high=None):
+        """int32 lanes of small integers -> int16 lanes, low's then high's (low's again if
+        None) in each int32 lane: vpmaddwd's factor."""
+        high = low if high is None else high
+        both = (low & self.i32_const(0xFFFF)) | T.shift_left(high, self.i32_const(16))
+        return T.reinterpret(f"int16x{2 * self.lanes}", both)
 
     def fma(self, a, b, c):
         """a * b + c on float32 lanes, rounded once: always fused, so every kernel branch (and
@@ -391,6 +391,22 @@ def _sums_count(k: int, group: int, scaled: int, zero: int) -> int:
     return k // (scaled if zero else group)
 
 
+def _inverse_scale(amax):
+    """127 / amax, 0 for an all-zero group (its codes all 0)."""
+    zero = T.float32(0)
+    return T.Bind(T.Select(amax > zero, T.float32(_INT8_MAX) / amax, zero))
+
+
+def _store_codes(xq: tirx.Buffer, r, column, v, inv, order: list[int]):
+    """Codes nearbyint(v * inv) of one activation group, stored as int8 at (r, column) in
+    ``order``; returned as int32 lanes (for their sum)."""
+    lanes = len(order)
+    codes = T.Bind(T.Cast(f"int32x{lanes}", T.nearbyint(v * tirx.Broadcast(inv, lanes))))
+    stored = tirx.Shuffle([T.Cast(f"int8x{lanes}", codes)], order)
+    T.buffer_store(xq, stored, [r, T.ramp(column, 1, lanes)])
+    return codes
+
+
 @cache
 def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) -> tirx.PrimFunc:
     """x [M, k] float32 -> (codes int8 [M, k], scales [M, k/scaled], sums): per row and
@@ -420,12 +436,7 @@ def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) 
                     a = g * split + h
                     v = T.Bind(x.vload([r, a * scaled], f"float32x{scaled}"))
                     amax = T.Bind(horizontal(T.max, T.abs(v), scaled))
-                    zero_f = T.float32(0)
-                    inv = T.Bind(T.Select(amax > zero_f, T.float32(_INT8_MAX) / amax, zero_f))
-                    rounded = T.nearbyint(v * tirx.Broadcast(inv, scaled))
-                    codes = T.Bind(T.Cast(f"int32x{scaled}", rounded))
-                    stored = tirx.Shuffle([T.Cast(f"int8x{scaled}", codes)], order)
-                    T.buffer_store(xq, stored, [r, T.ramp(a * scaled, 1, scaled)])
+                    codes = _store_codes(xq, r, a * scaled, v, _inverse_scale(amax), order)
                     scale = T.Bind(amax / T.float32(_INT8_MAX))
                     T.buffer_store(xs, scale, [r, a])
                     total = T.Bind(horizontal(lambda a, b: a + b, codes, scaled))
@@ -459,7 +470,6 @@ def sub_scaled_quantize_func(k: int, group: int, super_group: int) -> tirx.PrimF
         shifts = T.match_buffer(T.arg("xshift", T.handle()), (m, groups), "int32")
         sums = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int16")
         order = sorted(range(group), key=lambda j: _slot(j, True))
-        zero_f = T.float32(0)
 
         def quantize_row(r) -> None:
             with T.serial(0, k // super_group) as s:
@@ -470,7 +480,7 @@ def sub_scaled_quantize_func(k: int, group: int, super_group: int) -> tirx.PrimF
                 amax = T.Bind(amaxes[0])
                 for h in range(1, per_super):
                     amax = T.Bind(T.max(amax, amaxes[h]))
-                inv = T.Bind(T.Select(amax > zero_f, T.float32(_INT8_MAX) / amax, zero_f))
+                inv = _inverse_scale(amax)
                 T.buffer_store(xs, amax / T.float32(_INT8_MAX * (1 << top)), [r, s])
                 with T.serial(0, per_super) as h:
                     g = s * per_super + h
@@ -481,10 +491,7 @@ def sub_scaled_quantize_func(k: int, group: int, super_group: int) -> tirx.PrimF
                     e = T.Bind(e)
                     power = T.Cast("float32", T.shift_left(T.int32(1), e))
                     v = x.vload([r, g * group], f"float32x{group}")
-                    rounded = T.nearbyint(v * tirx.Broadcast(T.Bind(inv * power), group))
-                    codes = T.Bind(T.Cast(f"int32x{group}", rounded))
-                    stored = tirx.Shuffle([T.Cast(f"int8x{group}", codes)], order)
-                    T.buffer_store(xq, stored, [r, T.ramp(g * group, 1, group)])
+                    codes = _store_codes(xq, r, g * group, v, T.Bind(inv * power), order)
                     shift = T.Bind(T.int32(top) - e)
                     T.buffer_store(shifts, shift, [r, g])
                     total = T.Bind(horizontal(lambda a, b: a + b, codes, group))
@@ -679,9 +686,9 @@ class _Kernel:
             self.super_groups(sweep, acc)
         else:
             with T.serial(0, self.shape.groups) as g:
-                asks = _spread(self.prefetches(sweep, g), width * rows)
-                for i in range(width):
-                    self.group_terms(sweep, g, i, acc, asks[i * rows : (i + 1) * rows])
+                self.each_vector(
+                    sweep, g, lambda i, ahead: self.group_terms(sweep, g, i, acc, ahead)
+                )
         for r in range(rows):
             for i in range(width):
                 column = T.ramp(
@@ -740,6 +747,14 @@ class _Kernel:
                 value = self.dot.fma(offset, tirx.Broadcast(xsum[row, g], lanes), value)
             acc.store(r, i, value)
 
+    def each_vector(self, sweep: _Sweep, g: _Index, add: Callable[[int, list[list]], None]) -> None:
+        """``add(i, ahead)`` for each vector i of the sweep at group g, ``ahead[r]`` the
+        prefetches to ask for beside row r's work: the group's asks spread over the sweep."""
+        rows = sweep.rows
+        asks = _spread(self.prefetches(sweep, g), sweep.width * rows)
+        for i in range(sweep.width):
+            add(i, asks[i * rows : (i + 1) * rows])
+
     def super_groups(self, sweep: _Sweep, acc: _Accumulators) -> None:
         """A ``sub_scaled`` sweep: per super-group, each row's exact int32 sum over its groups
         of scale x dot x 2^shift (``group_integers``), then one float epilogue with the term of
@@ -752,9 +767,9 @@ class _Kernel:
             dots.clear()
             with T.serial(0, per_super) as h:
                 g = s * per_super + h
-                asks = _spread(self.prefetches(sweep, g), width * rows)
-                for i in range(width):
-                    self.group_integers(sweep, g, i, dots, asks[i * rows : (i + 1) * rows])
+                self.each_vector(
+                    sweep, g, lambda i, ahead: self.group_integers(sweep, g, i, dots, ahead)
+                )
             for i in range(width):
                 lane0 = (sweep.first + i) * lanes
                 d = T.Bind(self.widened(self.params.super_scales, [p, s, lane0]))
@@ -809,10 +824,7 @@ class _Kernel:
             low, high = (
                 self.small_integers(small, sweep.panel, first + j + t, lane0) for t in (0, 1)
             )
-            interleaved = (low & self.dot.i32_const(0xFFFF)) | T.shift_left(
-                high, self.dot.i32_const(16)
-            )
-            factors.append(T.Bind(T.reinterpret(f"int16x{2 * self.shape.lanes}", interleaved)))
+            factors.append(T.Bind(self.dot.int16_pairs(low, high)))
         terms = []
         for r in range(sweep.rows):
             total = None
