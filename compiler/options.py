@@ -117,20 +117,21 @@ def default_activations(source_hash: str, quantization: str, tvm_target: Target)
     dot product (VNNI or AVX2) whose arithmetic was measured so; float everywhere else."""
     if tvm_target.kind.name != "llvm" or quantization != "as-source":
         return "float"
-    try:
-        instruction = integer_dot(tvm_target).instruction
-    except CompileError:
-        return "float"
-    return "int8" if int8_by_default(source_hash, instruction) else "float"
+    instruction = _integer_dot_instruction(tvm_target)
+    return "int8" if instruction and int8_by_default(source_hash, instruction) else "float"
 
 
 def fastest_activations(tvm_target: Target) -> str:
     """int8 where ``tvm_target``'s CPU has an integer dot product (VNNI or AVX2), else float."""
+    return "int8" if _integer_dot_instruction(tvm_target) else "float"
+
+
+def _integer_dot_instruction(tvm_target: Target) -> str | None:
+    """The instruction of ``tvm_target``'s integer dot product, None where its CPU has none."""
     try:
-        integer_dot(tvm_target)
+        return integer_dot(tvm_target).instruction
     except CompileError:
-        return "float"
-    return "int8"
+        return None
 
 
 def _not_for(flag: str, only: str, target: str) -> str:

@@ -34,11 +34,12 @@ def make_target(name: str, cuda_arch: str = DEFAULT_CUDA_ARCH, cpu: str = DEFAUL
     from tvm.target import Target
 
     if name == "llvm":
+        host = Target.from_device("cpu")
         if cpu == "native":
-            return host_target(Target.from_device("cpu"))
-        if not tvm.target.codegen.llvm_is_valid_cpu(cpu, Target.from_device("cpu").mtriple):
+            return host_target(host)
+        if not tvm.target.codegen.llvm_is_valid_cpu(cpu, host.mtriple):
             raise CompileError(f"unknown CPU {cpu!r} (e.g. native, x86-64-v3, x86-64-v4)")
-        return Target({"kind": "llvm", "mcpu": cpu, "mtriple": Target.from_device("cpu").mtriple})
+        return Target({"kind": "llvm", "mcpu": cpu, "mtriple": host.mtriple})
     if name == "cuda":
         return Target({"kind": "cuda", "arch": cuda_arch}, host={"kind": "llvm"})
     raise CompileError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")

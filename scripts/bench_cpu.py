@@ -295,7 +295,11 @@ def compute_floor(parameters: int, threads: int, activations: str) -> ComputeFlo
         raise SystemExit("no AVX2/FMA in lscpu's flags: this benchmark's compute floor needs them")
     per_row = f"{parameters / 1e6:.0f} M weight parameters per row"
     if activations == "int8":
-        probe = peak_rate.int8_instruction(flags)
+        from mlc_spec.compiler.int8_matmul import integer_dot
+        from mlc_spec.compiler.targets import make_target
+
+        dot = integer_dot(make_target("llvm"))
+        probe = peak_rate.int8_instruction(dot.instruction, dot.lanes)
     else:
         probe = peak_rate.FMA_512 if "avx512f" in flags else peak_rate.FMA_256
     rate = probe and peak_rate.measured_rate(probe, threads)

@@ -602,8 +602,8 @@ def draft_flags(args: argparse.Namespace) -> list[str]:
 
 
 def sweeps(results: dict[str, Result]) -> list[str]:
-    """Every config's median tokens/s, one line per family."""
-    lines = []
+    """Every config's median tokens/s, family by family, in one line."""
+    parts = []
     fas = sorted({r.config.fa for r in results.values() if r.config.fa})
     families = [("mlc-spec draft k", "draft", None)]
     families += [("llama.cpp draft n_max", "llama-spec", fa) for fa in fas]
@@ -617,7 +617,7 @@ def sweeps(results: dict[str, Result]) -> list[str]:
         ]
         if points:
             cells = ", ".join(f"{k}: {v:.2f}" for k, v in points)
-            lines.append(f"- {label}{f' (-fa {fa})' if fa else ''}, tokens/s: {cells}")
+            parts.append(f"{label}{f' (-fa {fa})' if fa else ''} {cells}")
     trees = [r for r in results.values() if r.config.name.startswith("tree")]
     if trees:
         cells = ", ".join(
@@ -625,7 +625,7 @@ def sweeps(results: dict[str, Result]) -> list[str]:
             f"({r.first.mean_accepted_length:.2f} per step)"
             for r in trees
         )
-        lines.append(f"- mlc-spec draft trees (depth w width), tokens/s: {cells}")
+        parts.append(f"mlc-spec draft trees (depth w width) {cells}")
     others = [
         r
         for r in results.values()
@@ -635,11 +635,8 @@ def sweeps(results: dict[str, Result]) -> list[str]:
         and not r.config.name.removeprefix("llama-spec").isdigit()
     ]
     if others:
-        lines.append(
-            "- Other configs, tokens/s: "
-            + "; ".join(f"`{r.config.id}` {r.speed.mid:.2f}" for r in others)
-        )
-    return lines
+        parts.append("; ".join(f"`{r.config.id}` {r.speed.mid:.2f}" for r in others))
+    return [f"- Every configuration, tokens/s: {' · '.join(parts)}"] if parts else []
 
 
 def checks(results: dict[str, Result], job: dict[str, Any]) -> list[str]:

@@ -40,18 +40,14 @@ BUSY_SHARE = 0.25
 PAGE_LINES = 250  # each page's budget: a write past it warns, naming the largest sections
 
 _HOW_MEASURED = """\
-- **Alternation.** Each system and configuration takes a turn per round in a child process of
-  its own (no idle thread pool spins beside the other), in an order reversed every other round;
-  cells are medians over rounds (min-max), and ratios and goals use medians.
-- **Same work.** Batch 1, greedy, 2 threads on both sides, the same prompt token ids and the
-  same number of tokens (EOS ignored); tokens/s counts prefill plus generation, not loading.
-  Step costs: `llama-bench` at the same prompt, context and batch sizes.
-- **llama.cpp at its best.** Plain, draft-simple (a sweep of n_max) and its n-gram proposers,
-  each with `-fa on` and `off`, built by `scripts/llamacpp.py`; its best is its headline.
+- **How.** Systems and configurations take turns round by round, each in a child process of its
+  own, the order reversed every other round; cells are medians (min-max) over rounds. Batch 1,
+  greedy, 2 threads on both sides, the same prompt ids and token counts (EOS ignored); tokens/s
+  counts prefill plus generation. llama.cpp at its best: plain, draft-simple (n_max swept) and
+  its n-gram proposers, each `-fa on` and `off`; step costs from `llama-bench` at our sizes.
 - **Goals** (HumanEval, batch 1): the Qwen pair's best >= 2.5x llama.cpp's best with tokens
   identical to our plain decoding; SmolLM2 decode <= 0.5x llama.cpp's; verify of 8 <= 1.5x a
-  decode step. A run on a busy machine gets no verdict: llama.cpp slows several-fold when a
-  core is taken.
+  decode step. A run on a busy machine gets no verdict (llama.cpp slows several-fold).
 """
 
 
@@ -84,13 +80,11 @@ HEADLINE = Page(
     REPO / "docs" / "benchmarks.md",
     f"""# Benchmarks
 
-mlc-spec against llama.cpp and llama-server on the CPU, written by the scripts in `scripts/`
-(`benchdoc.py` lays out the page; nothing here is edited by hand): one table per model,
-configuration and CPU class (`amd-avx512`: AMD Zen 4; `amd-avx2`: AVX2-only EPYC;
-`intel-avx512`: Xeon), newest first, each with the command that reproduces it. The serving
-features (prefix cache, prompt chunks, suffix decoding, structured output, replicas, the first
-run) are measured in [benchmarks-features.md](benchmarks-features.md), the CUDA path on a lent
-GPU in [benchmarks-gpu.md](benchmarks-gpu.md). How these are measured:
+mlc-spec against llama.cpp and llama-server on the CPU, written by `scripts/` (laid out by
+`benchdoc.py`; nothing is edited by hand): per model, configuration and CPU class (`amd-avx512`:
+Zen 4; `amd-avx2`: AVX2-only EPYC; `intel-avx512`: Xeon), newest first, each with its command.
+Serving features: [benchmarks-features.md](benchmarks-features.md); the CUDA path on a lent GPU:
+[benchmarks-gpu.md](benchmarks-gpu.md).
 
 {_HOW_MEASURED}
 Earlier runs are in git (`git log -p docs/benchmarks.md`).""",

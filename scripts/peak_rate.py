@@ -62,17 +62,16 @@ FMA_512 = Instruction("vfmadd231ps", "z", 16)
 FMA_256 = Instruction("vfmadd231ps", "y", 8)
 
 
-def int8_instruction(flags: set[str]) -> Instruction | None:
-    """The integer dot product the int8 kernels use on a CPU with these lscpu ``flags`` (as
-    ``compiler/int8_matmul.py: integer_dot`` picks it), where the probe can run it; None for
+def int8_instruction(instruction: str, lanes: int) -> Instruction | None:
+    """The probe of the int8 kernels' integer dot product (``IntegerDot.instruction`` on
+    ``lanes`` int32 lanes, as ``compiler/int8_matmul.py: integer_dot`` picks it); None for
     AVX-VNNI on 256 bits, whose mnemonic the assembler takes only with a {vex} prefix."""
-    if "avx512_vnni" in flags and "avx512bw" in flags:
-        return VPDPBUSD_512
-    if "avx512bw" in flags:
-        return VPMADDUBSW_512
-    if "avx_vnni" in flags:
-        return None
-    return VPMADDUBSW_256 if "avx2" in flags else None
+    probes = {
+        ("vpdpbusd", 16): VPDPBUSD_512,
+        ("vpmaddubsw", 16): VPMADDUBSW_512,
+        ("vpmaddubsw", 8): VPMADDUBSW_256,
+    }
+    return probes.get((instruction, lanes))
 
 
 def measured_rate(instruction: Instruction, threads: int) -> float | None:
