@@ -333,28 +333,19 @@ class Int8Matmul:
     def __call__(self, x: nn.Tensor, weight: QuantizedWeight, name: str) -> nn.Tensor:
         (n, k), fmt = weight.shape, weight.fmt
         rows = op.reshape(x, (-1, k))
-        m, group = rows.shape[0], activation_group(fmt)
-        if sub_scaled(self.dot, fmt):
+        m, group, sub = rows.shape[0], activation_group(fmt), sub_scaled(self.dot, fmt)
+        if sub:
             func = sub_scaled_quantize_func(k, fmt.group_size, fmt.super_group)
-            outputs = [
-                ((m, k), "int8"),
-                ((m, k // fmt.super_group), "float32"),
-                ((m, k // fmt.group_size), "int32"),
-                ((m, k // fmt.group_size), "int16"),
-            ]
         else:
             func = quantize_func(k, fmt.group_size, group, fmt.bits != 8, fmt.zero)
-            sums = (m, _sums_count(k, fmt.group_size, group, fmt.zero))
-            outputs = [
-                ((m, k), "int8"),
-                ((m, k // group), "float32"),
-                (sums, _sums_dtype(fmt.zero)),
-            ]
         activations = op.tensor_ir_op(
             func,
             f"{name}_quantize_x",
             [rows],
-            [nn.Tensor.placeholder(shape, dtype) for shape, dtype in outputs],
+            [
+                nn.Tensor.placeholder((m, k // per), dtype)
+                for _, per, dtype in activation_layout(fmt, group, sub)
+            ],
         )
         out = op.tensor_ir_op(
             matmul_func(self.dot, fmt, n, k, panel_width(n), group),
@@ -383,12 +374,27 @@ def _sums_dtype(zero: int) -> str:
     return "int32" if zero else "float32"
 
 
-def _sums_count(k: int, group: int, scaled: int, zero: int) -> int:
-    """How many code sums ``quantize_func`` gives a row of ``k`` values before weights in groups
-    of ``group`` (activations in groups of ``scaled``): one per activation group where the
-    format's ``zero`` starts each integer dot, else (asymmetric) one per weight group, its
-    offset's factor."""
-    return k // (scaled if zero else group)
+def _sums_every(group: int, scaled: int, zero: int) -> int:
+    """How many values of a row share one of ``quantize_func``'s code sums before weights in
+    groups of ``group`` (activations in groups of ``scaled``): an activation group where the
+    format's ``zero`` starts each integer dot, else (asymmetric) a weight group, whose offset
+    the sum's factor multiplies."""
+    return scaled if zero else group
+
+
+def activation_layout(fmt: GroupFormat, group: int, sub: bool) -> list[tuple[str, int, str]]:
+    """(name, values of a row per entry, type) of the quantized activations before ``fmt``, in
+    the order the quantize function writes them and the matmul reads them: ``quantize_func``'s
+    (activation groups of ``group``) or, ``sub``, ``sub_scaled_quantize_func``'s."""
+    if sub:
+        return [
+            ("xq", 1, "int8"),
+            ("xs", fmt.super_group, "float32"),
+            ("xshift", fmt.group_size, "int32"),
+            ("xsum", fmt.group_size, "int16"),
+        ]
+    sums = _sums_every(fmt.group_size, group, fmt.zero)
+    return [("xq", 1, "int8"), ("xs", group, "float32"), ("xsum", sums, _sums_dtype(fmt.zero))]
 
 
 def _inverse_scale(amax):
@@ -420,7 +426,7 @@ def quantize_func(k: int, group: int, scaled: int, interleave: bool, zero: int) 
     asymmetric formats (zero 0), per weight group the sum over its activation groups of
     sum(codes) * scale (float32, [M, k/group]), which the group's offset multiplies."""
     groups, split = k // group, group // scaled
-    sums = _sums_count(k, group, scaled, zero)
+    sums = k // _sums_every(group, scaled, zero)
     with IRBuilder() as ib, scheduled_prim_func():
         m = T.int64()
         x = T.match_buffer(T.arg("x", T.handle()), (m, k), "float32")
@@ -573,16 +579,12 @@ class _Params:
         """Declared in the IR builder's PrimFunc frame, in the order of the call's arguments."""
         m = T.int64()
         groups, per_group = shape.groups, (shape.panels, shape.groups, shape.panel_rows)
-        xq = T.match_buffer(T.arg("xq", T.handle()), (m, k), "int8")
-        if shape.sub_scaled:
-            xs = T.match_buffer(T.arg("xs", T.handle()), (m, k // fmt.super_group), "float32")
-            xshift = T.match_buffer(T.arg("xshift", T.handle()), (m, groups), "int32")
-            xsum = T.match_buffer(T.arg("xsum", T.handle()), (m, groups), "int16")
-        else:
-            xs = T.match_buffer(T.arg("xs", T.handle()), (m, groups * shape.split), "float32")
-            sums = (m, _sums_count(k, fmt.group_size, shape.scaled, fmt.zero))
-            xsum = T.match_buffer(T.arg("xsum", T.handle()), sums, _sums_dtype(fmt.zero))
-            xshift = None
+        activations = {
+            name: T.match_buffer(T.arg(name, T.handle()), (m, k // per), dtype)
+            for name, per, dtype in activation_layout(fmt, shape.scaled, shape.sub_scaled)
+        }
+        xq, xs, xsum = activations["xq"], activations["xs"], activations["xsum"]
+        xshift = activations.get("xshift")
         words = (shape.panels, groups * shape.words, shape.panel_rows)
         codes = T.arg("codes", T.buffer(words, "uint32"))
         group_type = str(np.dtype(fmt.group_type))
