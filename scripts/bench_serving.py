@@ -1,6 +1,6 @@
 """Serving side by side with llama-server: ``mlc-spec bench serve`` on HumanEval and ShareGPT
 for one model configuration, every server loaded in turn at each concurrency, written to
-docs/benchmarks.md with the goals' verdicts.
+docs/benchmarks-serving.md with the goals' verdicts.
 
 - ``smollm2``: SmolLM2-135M-Instruct (int8 activations), mlc-spec with no speculation and with
   automatic n-gram speculation, against llama-server on the same GGUF.
@@ -14,6 +14,7 @@ setting) >= 3x llama-server's throughput (its best) at concurrency >= 4; at conc
 mlc-spec's best TPOT p50 <= 0.5x llama-server's best.
 
     python scripts/bench_serving.py --pair smollm2 [--datasets humaneval] [--write PAGE]
+    python scripts/bench_serving.py --pair smollm2 --steps [--write PAGE]  # async against sync
 """
 
 from __future__ import annotations
@@ -37,22 +38,28 @@ DRAFT = "draft k=auto"
 LLAMA = ("llama-server", "llama-server -md")
 
 
-def pair_arguments(pair: str) -> list[str]:
-    """bench serve's arguments for ``pair`` (its artifacts compiled on first use)."""
+def pair_arguments(pair: str, against_llama: bool = True) -> list[str]:
+    """bench serve's arguments for ``pair`` (its artifacts compiled on first use), with
+    llama-server on the same GGUFs unless ``against_llama`` is False."""
     if pair == "smollm2":
         model = compiled("smollm2-135m-instruct", activations="int8")
+        llama = ["--against-llama-server", str(fetch("smollm2-135m-instruct"))]
         return [
-            *("--model", str(model), "--against-llama-server", str(fetch("smollm2-135m-instruct"))),
+            *("--model", str(model)),
+            *(llama if against_llama else []),
             *("--speculative", "none", "ngram:auto"),
         ]
     model = compiled("qwen2.5-coder-1.5b-instruct", activations="int8")
     draft = compiled(
         "qwen2.5-coder-0.5b-instruct", "q4", activations="int8", lm_head="q4", lm_head_vocab=100000
     )
-    return [
-        *("--model", str(model), "--draft-model", str(draft)),
+    llama = [
         *("--against-llama-server", str(fetch("qwen2.5-coder-1.5b-instruct"))),
         *("--llama-server-draft", str(fetch("qwen2.5-coder-0.5b-instruct"))),
+    ]
+    return [
+        *("--model", str(model), "--draft-model", str(draft)),
+        *(llama if against_llama else []),
         *("--speculative", "none", "ngram:auto", "draft:auto"),
     ]
 
@@ -127,6 +134,45 @@ def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
     return "\n".join(lines)
 
 
+def steps_section(results: dict[str, dict], load, requests: str) -> str:
+    """mlc-spec serve with async scheduling against synchronous steps: per dataset and
+    speculation setting, each mode's output tok/s and TPOT p50, and sync over async (the median
+    of the repeats' paired ratios [their range])."""
+    settings0 = next(iter(results.values()))["settings"]
+    bases = list(dict.fromkeys(label.rpartition(", ")[0] for label in settings0))
+    lines = [
+        *machine_context(load, "mlc-spec serve", "2 everywhere"),
+        f"- Load: {requests}; greedy, 64 tokens per answer (EOS ignored), streamed; batch 8, "
+        "8192 tokens of KV cache; TVM's threads on every core, as by default",
+        "",
+        "| dataset | setting | steps | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |",
+        "|---|---|---|" + "---:|" * len(CONCURRENCY),
+    ]
+    slower = []
+    for dataset, res in results.items():
+        s = res["settings"]
+        for base in bases:
+            on, off = s[f"{base}, async steps"], s[f"{base}, sync steps"]
+            for mode, rows in (("async", on), ("sync", off)):
+                cells = " | ".join(map(_cell, rows))
+                lines.append(f"| {dataset} | {base} | {mode} | {cells} |")
+            ratios = []
+            for a, b in zip(on, off, strict=True):
+                by_repeat = "output_throughput_by_repeat"
+                paired = np.divide(b[by_repeat], a[by_repeat])
+                ratios.append(f"{np.median(paired):.2f}x [{paired.min():.2f}-{paired.max():.2f}]")
+                slower += [np.median(paired) < 1.0]
+            lines.append(f"| {dataset} | {base} | sync / async tok/s | {' | '.join(ratios)} |")
+    lines += [
+        "",
+        "Cells: output tok/s · TPOT p50/p99 ms; ratios: the median of the repeats' [their range].",
+        "",
+        f"- Synchronous steps (the default where TVM's threads take every core) at least as fast "
+        f"as async scheduling in {slower.count(False)} of {len(slower)} cells",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=["smollm2", "qwen"], default="smollm2")
@@ -134,10 +180,18 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="sweeps, interleaved")
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="instead of llama-server: mlc-spec serve with async scheduling against synchronous "
+        "steps, per speculation setting",
+    )
     parser.add_argument("--write", type=Path, help="replace this pair's section of this page")
     args = parser.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    common = pair_arguments(args.pair)
+    common = pair_arguments(args.pair, against_llama=not args.steps)
+    if args.steps:
+        common += ["--async-scheduling", "both"]
     load = start_load()
     results = {}
     for dataset in args.datasets:
@@ -152,13 +206,18 @@ def main() -> None:
         f"max({args.min_requests}, {args.rounds} x concurrency) requests per level and server, "
         f"{args.repeats} repeats interleaved (tok/s: the median repeat's)"
     )
-    text = section(args.pair, results, load, requests)
     title = {
         "smollm2": "SmolLM2-135M-Instruct",
         "qwen": "Qwen2.5-Coder-1.5B-Instruct, ± the 0.5B draft",
     }[args.pair]
+    if args.steps:
+        text = steps_section(results, load, requests)
+        title += ", async scheduling against synchronous steps"
+    else:
+        text = section(args.pair, results, load, requests)
     text = f"### {title}, int8 activations, `{cpu_class()}`\n\n" + text
-    publish(text, args.write, f"bench_serving-{args.pair}-{cpu_class()}")
+    kind = "steps-" if args.steps else ""
+    publish(text, args.write, f"bench_serving-{kind}{args.pair}-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
-"""docs/benchmarks.md and docs/benchmarks-features.md laid out from the sections that the
-benchmark scripts write.
+"""docs/benchmarks.md, benchmarks-serving.md and benchmarks-features.md laid out from the
+sections that the benchmark scripts write.
 
-A run's context (date, commit, CPU class, load before and during it) and two pages of marked
+A run's context (date, commit, CPU class, load before and during it) and pages of marked
 sections in a fixed order that the scripts rewrite and nobody edits by hand: the headline page
-(mlc-spec against llama.cpp and llama-server) and the features page (prefix cache, prompt
-chunks, suffix decoding, structured output, replicas, the first run, the soak...), so that
-the headline page stays short enough to read.
+(mlc-spec against llama.cpp), the serving page (against llama-server) and the features page
+(prefix cache, prompt chunks, suffix decoding, structured output, replicas, the first run, the
+soak...), so that each page stays short enough to read.
 
 Each benchmark script owns sections between ``<!-- key:start STAMP -->`` / ``<!-- key:end -->``
-markers (STAMP: when it was written, UTC) and rewrites only its own. A script writes to either
+markers (STAMP: when it was written, UTC) and rewrites only its own. A script writes to any
 page (``--write docs/benchmarks.md``) and its section goes to the page whose groups claim its
 key. Every write re-renders that whole page: its fixed header, its groups in order (their
 sections newest first), then its closing note. Each group keeps at most a few sections (the
-oldest leaves, git keeps it), and a key that belongs to no group of either page (a kernel A/B,
+oldest leaves, git keeps it), and a key that belongs to no group of any page (a kernel A/B,
 say) goes to a scratch file instead, so no script can grow a page without bound.
 
     python scripts/benchdoc.py [PAGE] [--drop KEY ...]   # re-render PAGE, dropping KEYs
@@ -83,7 +83,8 @@ HEADLINE = Page(
 mlc-spec against llama.cpp and llama-server on the CPU, written by `scripts/` (laid out by
 `benchdoc.py`; nothing is edited by hand): per model, configuration and CPU class (`amd-avx512`:
 Zen 4; `amd-avx2`: AVX2-only EPYC; `intel-avx512`: Xeon), newest first, each with its command.
-Serving features: [benchmarks-features.md](benchmarks-features.md); the CUDA path on a lent GPU:
+Serving against llama-server: [benchmarks-serving.md](benchmarks-serving.md); serving features:
+[benchmarks-features.md](benchmarks-features.md); the CUDA path on a lent GPU:
 [benchmarks-gpu.md](benchmarks-gpu.md).
 
 {_HOW_MEASURED}
@@ -110,16 +111,44 @@ Earlier runs are in git (`git log -p docs/benchmarks.md`).""",
             "`python scripts/bench_cpu.py --model qwen1.5b --activations int8 --repeats 5 "
             "--write docs/benchmarks.md`",
         ),
-        Group(
-            "Serving side by side with llama-server (`mlc-spec bench serve`)",
-            rf"bench_serving-.+{_CPU}",
-            2,
-            "`python scripts/bench_serving.py --pair smollm2 --write docs/benchmarks.md` "
-            "(and `--pair qwen`)",
-        ),
     ),
     "Kernels, prefetching, AMX and the rest that was tried and left out, one line each with its "
     "measured effect: docs/kernels.md, at the end.",
+)
+SERVING = Page(
+    REPO / "docs" / "benchmarks-serving.md",
+    """# Serving side by side with llama-server
+
+`mlc-spec serve` against llama-server on the same GGUF files and threads, loaded in turn by
+`mlc-spec bench serve` at each concurrency, written by `scripts/bench_serving.py` (laid out by
+`benchdoc.py`; nothing here is edited by hand): one section per model and CPU class, newest
+first. Single-stream decoding against llama.cpp is in [benchmarks.md](benchmarks.md).
+
+- **Goals:** automatic speculation >= 1.0x no speculation in every cell; mlc-spec (its best
+  setting) >= 3x llama-server's throughput (its best) at concurrency >= 4; at concurrency 1,
+  mlc-spec's best TPOT p50 <= 0.5x llama-server's best.""",
+    (
+        Group(
+            "SmolLM2-135M-Instruct",
+            rf"bench_serving-smollm2{_CPU}",
+            2,
+            "`python scripts/bench_serving.py --pair smollm2 --write docs/benchmarks-serving.md`",
+        ),
+        Group(
+            "Qwen2.5-Coder-1.5B-Instruct with and without the 0.5B draft",
+            rf"bench_serving-qwen{_CPU}",
+            2,
+            "`python scripts/bench_serving.py --pair qwen --rounds 1 --min-requests 4 --repeats 2 "
+            "--write docs/benchmarks-serving.md`",
+        ),
+        Group(
+            "Async scheduling against synchronous steps",
+            rf"bench_serving-steps-.+{_CPU}",
+            2,
+            "`python scripts/bench_serving.py --pair smollm2 --steps --write "
+            "docs/benchmarks-serving.md`",
+        ),
+    ),
 )
 FEATURES = Page(
     REPO / "docs" / "benchmarks-features.md",
@@ -188,7 +217,8 @@ and command: compare only figures from one section.""",
     "(`python scripts/bench_ngram.py` prints its table: the native index 0.7-0.8 µs a step at "
     "1k-16k tokens of context, 25-40x the numpy scan, 2026-11-21). Async scheduling "
     "(`scripts/bench_async.py --write`, 2026-11-22): 0.98-1.07x of synchronous steps on 2 cores, "
-    "where the forward keeps both cores busy and the host's share of a step was 0-2%. The "
+    "where the forward keeps both cores busy and the host's share of a step was 0-2%; in the "
+    "server: [benchmarks-serving.md](benchmarks-serving.md). The "
     "fidelity of int8 activations against llama.cpp's own: docs/quantization.md "
     "(`scripts/bench_fidelity.py`).",
 )
@@ -210,7 +240,7 @@ docs/gpu.md says; written by `scripts/gpu_report.py` (nothing here is edited by 
         ),
     ),
 )
-PAGES = (HEADLINE, FEATURES, GPU)
+PAGES = (HEADLINE, SERVING, FEATURES, GPU)
 
 
 def usable_cores() -> int:
@@ -427,7 +457,7 @@ def is_benchmark_page(path: Path) -> bool:
 def write_section(path: Path, name: str, section: str) -> None:
     """Replace section ``name`` (or add it) and re-render its page.
 
-    Written to either page, a section goes to the page whose groups claim its key; one that no
+    Written to any page, a section goes to the page whose groups claim its key; one that no
     page claims is written to a scratch file under ``SCRATCH`` instead (and said so on stderr),
     so that nothing is lost and the pages stay bounded. In any other document the section is
     replaced where it stands, or appended, and the rest of the file is left as it was."""

@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import json
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -333,6 +334,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientGone
     return task.result()
+
+
+def overlaps_host_work(pool_threads: int) -> bool:
+    """Whether steps should run asynchronously (``async_scheduling``) by default: only where
+    TVM's thread pools (``pool_threads`` in all, across replicas) leave a core for the host.
+    With every core in a pool, the engine's and the server's Python preempt a pool thread
+    mid-pass and the whole pass waits for it at the next barrier, which costs more than the
+    overlap saves (docs/benchmarks-serving.md, async scheduling)."""
+    return pool_threads < len(os.sched_getaffinity(0))
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -435,7 +436,7 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
     or llama-server (``--against-llama-server``, plain and with ``--llama-server-draft``)
     and ``mlc-spec serve`` per speculation setting."""
     if args.base_url:
-        yield args.label or args.base_url, contextlib.nullcontext(args.base_url.rstrip("/"))
+        yield args.label or args.base_url, contextlib.nullcontext(v1_url(args.base_url))
         return
     logs = Path(args.output_dir)
     if args.against_llama_server:
@@ -445,6 +446,8 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
             cmd = llama_server_command(args, args.llama_server_draft)
             yield "llama-server -md", launched_llama_server(cmd, logs / "llama-server-md.log")
     caching = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
+    modes = {"default": [None], "on": [True], "off": [False], "both": [True, False]}
+    stepping = modes[args.async_scheduling]
     for speculative in args.speculative:
         method, _, k = speculative.partition(":")
         serve_args = ["--served-model-name", args.served_model, "--speculative", method]
@@ -454,10 +457,13 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
         serve_args += ["--model", args.model]
         if method in ("draft", "auto") and args.draft_model:
             serve_args += ["--draft-model", args.draft_model]
-        for cached, replicas in itertools.product(caching, args.replicas):
+        for cached, overlap, replicas in itertools.product(caching, stepping, args.replicas):
             label, cmd, env = setting_label(speculative, args.k), list(serve_args), None
             if not cached:
                 label, cmd = f"{label}, no prefix cache", [*cmd, "--no-enable-prefix-caching"]
+            if overlap is not None:
+                label += ", async steps" if overlap else ", sync steps"
+                cmd.append("--async-scheduling" if overlap else "--no-async-scheduling")
             if replicas > 1:
                 cmd += ["--replicas", str(replicas)]
             threads = args.threads_per_replica
@@ -469,6 +475,25 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
                 label += f", {replicas} replica{'s' * (replicas > 1)}"
                 label += f" x {threads} thread{'s' * (threads > 1)}" if threads else ""
             yield label, launched_server(cmd, env)
+
+
+def v1_url(url: str) -> str:
+    """The OpenAI API's root at ``url``: as given, or ``/v1`` under a bare host (the form
+    ``vllm bench serve --base-url`` takes)."""
+    url = url.rstrip("/")
+    return url if urllib.parse.urlsplit(url).path else f"{url}/v1"
+
+
+def warmed_up(label: str, base: str, outcomes: list[Outcome]) -> None:
+    """Raise UserError where no warm-up request succeeded: every level would fail the same
+    way (a wrong URL or model name), and a table of zeros says less than the server's reply."""
+    if not any(o.ok for o in outcomes):
+        error = next((o.error for o in outcomes if o.error), "no reply")
+        raise UserError(
+            f"{label} ({base}) failed every warm-up request, e.g. {error}; check --base-url "
+            "(the API root, e.g. http://127.0.0.1:8080/v1) and --served-model (its /v1/models "
+            "lists the names it serves)"
+        )
 
 
 def engine_stats(base: str) -> dict[str, Any] | None:
@@ -577,7 +602,8 @@ def bench(args) -> dict[str, Any]:
         for label, server in servers(args):
             bases[label] = stack.enter_context(server)
             warm_up = mixed_jobs(args.dataset, 2, args.max_turns)
-            asyncio.run(run_level(bases[label], warm_up, body, 2, None, 0))
+            outcomes, _ = asyncio.run(run_level(bases[label], warm_up, body, 2, None, 0))
+            warmed_up(label, bases[label], outcomes)
         # Each level takes the jobs after the last level's, so no server has seen them (its
         # prefix and suffix caches hold what it answered before).
         first_job = 2
@@ -730,8 +756,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def add_arguments(p) -> None:
     p.add_argument(
         "--base-url",
-        help="load the OpenAI-compatible server already running here (its /v1 URL, e.g. "
-        "http://127.0.0.1:8080/v1) instead of starting mlc-spec serve per --speculative setting",
+        help="load the OpenAI-compatible server already running here (its API root, e.g. "
+        "http://127.0.0.1:8080/v1; a bare host gets /v1) instead of starting mlc-spec serve per "
+        "--speculative setting",
     )
     p.add_argument("--label", help="that server's name in the table and plots (default: its URL)")
     p.add_argument(
@@ -803,6 +830,13 @@ def add_arguments(p) -> None:
         choices=["on", "off", "both"],
         default="on",
         help="mlc-spec serve with its prefix cache, without, or one server of each per setting",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        choices=["default", "on", "off", "both"],
+        default="default",
+        help="mlc-spec serve with its default step mode, with async scheduling, without, or "
+        "one server of each per setting",
     )
     p.add_argument(
         "--replicas",

@@ -35,6 +35,11 @@ def router_command(workers: list[str], host: str, port: int, policy: str) -> lis
     return [*cmd, "--log-level", "warn"]  # not a line per request
 
 
+def replica_threads(threads: int | None, replicas: int) -> int:
+    """TVM threads per replica: as asked, or the cores shared out."""
+    return threads or max(1, (os.cpu_count() or 1) // replicas)
+
+
 def serve_replicas(
     serve_argv: list[str],
     replicas: int,
@@ -51,7 +56,7 @@ def serve_replicas(
         import sglang_router  # noqa: F401
     except ImportError:
         raise UserError("--replicas needs sglang-router: pip install sglang-router") from None
-    threads = threads or max(1, (os.cpu_count() or 1) // replicas)
+    threads = replica_threads(threads, replicas)
     env = {**os.environ, "TVM_NUM_THREADS": str(threads)}
     procs: list[subprocess.Popen] = []
     try:

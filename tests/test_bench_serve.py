@@ -79,6 +79,41 @@ def test_each_replica_count_is_a_server_of_its_own(monkeypatch):
     assert two[-4:] == ["--replicas", "2", "--threads-per-replica", "1"] and no_env is None
 
 
+def test_each_step_mode_is_a_server_of_its_own(monkeypatch):
+    """``--async-scheduling both``: per setting, one server with async steps and one without;
+    by default the server chooses (no flag passed)."""
+    started = []
+    monkeypatch.setattr(bench, "launched_server", lambda cmd, env: started.append(cmd))
+    cli = argparse.ArgumentParser()
+    add_arguments(cli)
+    args = cli.parse_args(["--speculative", "none", "ngram:auto", "--async-scheduling", "both"])
+    labels = [label for label, _ in bench.servers(args)]
+    assert labels == [
+        "off, async steps",
+        "off, sync steps",
+        "ngram k=auto, async steps",
+        "ngram k=auto, sync steps",
+    ]
+    assert [c[-1] for c in started] == ["--async-scheduling", "--no-async-scheduling"] * 2
+    started.clear()
+    [_ for _ in bench.servers(cli.parse_args(["--speculative", "none"]))]
+    assert not any("async-scheduling" in a for a in started[0])
+
+
+def test_a_server_that_answers_no_warm_up_request_stops_the_bench(tiny_llama, tmp_path, capsys):
+    """A wrong model name (or URL) fails every request alike: the bench says so with the
+    server's reply instead of measuring zeros; a bare host is taken as its /v1 API."""
+    assert bench.v1_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080/v1"
+    assert bench.v1_url("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080/v1"
+    assert bench.v1_url("http://host/proxy/v1") == "http://host/proxy/v1"
+    with serving(LLM(tiny_llama.artifact)) as server:
+        argv = ["bench", "serve", "--base-url", server.url, "--served-model", "nope"]
+        assert main([*argv, "--concurrency", "1", "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "failed every warm-up request, e.g. HTTP 404" in err and "'nope'" in err
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_bench_serve_sweep(tiny_llama, tmp_path):
     argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--concurrency", "1", "3"]
     argv += ["--max-tokens", "4", "--min-requests", "3", "--rounds", "1", "--repeats", "2"]

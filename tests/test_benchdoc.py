@@ -35,20 +35,23 @@ def keys(path):
 
 
 def test_a_section_goes_to_the_page_that_claims_it(pages):
-    headline, features, gpu = pages
+    headline, serving, features, gpu = pages
     benchdoc.write_section(headline.path, "bench_cpu-smollm2-as-source-int8-intel-avx512", "A")
     benchdoc.write_section(headline.path, "bench_suffix-qwen-intel-avx512", "B")
     benchdoc.write_section(features.path, "bench_serving-qwen-intel-avx512", "C")
-    assert keys(headline.path) == [
-        "bench_cpu-smollm2-as-source-int8-intel-avx512",
-        "bench_serving-qwen-intel-avx512",
-    ]
+    benchdoc.write_section(headline.path, "bench_serving-smollm2-amd-avx2", "E")
+    assert keys(headline.path) == ["bench_cpu-smollm2-as-source-int8-intel-avx512"]
     assert keys(features.path) == ["bench_suffix-qwen-intel-avx512"]
+    assert keys(serving.path) == [
+        "bench_serving-smollm2-amd-avx2",
+        "bench_serving-qwen-intel-avx512",
+    ]  # grouped by model, SmolLM2 first, whichever was written first
     benchdoc.write_section(headline.path, "gpu_check", "D")
     assert keys(gpu.path) == ["gpu_check"]
     assert "gpu_check" not in keys(headline.path)
     assert headline.path.read_text().startswith("# Benchmarks\n")
-    assert "benchmarks-features.md" in headline.path.read_text()
+    for linked in ("benchmarks-serving.md", "benchmarks-features.md"):
+        assert linked in headline.path.read_text()
 
 
 def test_a_group_keeps_its_newest_sections_and_rewrites_its_own(pages):

@@ -148,3 +148,27 @@ def test_replicas_must_be_at_least_one(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--replicas", "0"])
     assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("cores", "argv", "flag"),
+    [
+        (2, ["--replicas", "2"], "--no-async-scheduling"),  # 2 x 1 thread: no core left over
+        (2, ["--replicas", "2", "--threads-per-replica", "2"], "--no-async-scheduling"),
+        (4, ["--replicas", "3", "--threads-per-replica", "1"], "--async-scheduling"),
+        (2, ["--replicas", "2", "--async-scheduling"], "--async-scheduling"),  # as asked
+    ],
+)
+def test_replicas_overlap_host_work_only_where_their_threads_leave_a_core(
+    monkeypatch, cores, argv, flag
+):
+    from mlc_spec.serve import app, replicas
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cores)))
+    started = []
+    monkeypatch.setattr(replicas, "serve_replicas", lambda own, *rest: started.append(own))
+    assert main(["serve", *argv]) == 0
+    (own,) = started
+    assert [a for a in own if "async-scheduling" in a] == [flag]
+    assert app.overlaps_host_work(cores - 1) and not app.overlaps_host_work(cores)

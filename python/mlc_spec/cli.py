@@ -120,10 +120,16 @@ def _sampling_line(params: SamplingParams) -> str:
 
 def _serve(args: argparse.Namespace) -> None:
     if args.replicas > 1:
-        from mlc_spec.serve.replicas import serve_replicas
+        from mlc_spec.serve.app import overlaps_host_work
+        from mlc_spec.serve.replicas import replica_threads, serve_replicas
 
-        # Each replica runs this very command (the last --replicas given wins: 1).
+        # Each replica runs this very command (the last --replicas given wins: 1), with the
+        # step mode that suits all the replicas' threads together.
         own = [*args.argv[args.argv.index("serve") + 1 :], "--replicas", "1"]
+        if args.async_scheduling is None:
+            threads = replica_threads(args.threads_per_replica, args.replicas)
+            overlap = overlaps_host_work(threads * args.replicas)
+            own.append("--async-scheduling" if overlap else "--no-async-scheduling")
         serve_replicas(
             own,
             args.replicas,
@@ -135,7 +141,7 @@ def _serve(args: argparse.Namespace) -> None:
         )
         return
     from mlc_spec import LLM
-    from mlc_spec.serve.app import ServerConfig, limit_malloc_arenas, serve
+    from mlc_spec.serve.app import ServerConfig, limit_malloc_arenas, overlaps_host_work, serve
 
     limit_malloc_arenas()
     model, draft, speculative = _models(args)
@@ -145,7 +151,11 @@ def _serve(args: argparse.Namespace) -> None:
         speculative=speculative,
         max_batch_size=args.max_batch_size,
         max_total_len=args.max_total_len,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=(
+            overlaps_host_work(int(os.environ["TVM_NUM_THREADS"]))
+            if args.async_scheduling is None
+            else args.async_scheduling
+        ),
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunk_time_ratio=args.chunk_time_ratio or None,
@@ -389,9 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
         help="run each step's forward while the last step's tokens are turned into text and "
-        "streamed (default: on)",
+        "streamed (default: on where TVM's threads leave a core free, else off: on a core "
+        "that the forward also uses, the overlap costs more than it saves)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
