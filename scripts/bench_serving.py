@@ -2,8 +2,9 @@
 for one model configuration, every server loaded in turn at each concurrency, written to
 docs/benchmarks-serving.md with the goals' verdicts.
 
-- ``smollm2``: SmolLM2-135M-Instruct (int8 activations), mlc-spec with no speculation and with
-  automatic n-gram speculation, against llama-server on the same GGUF.
+- ``smollm2``: SmolLM2-135M-Instruct (int8 activations), mlc-spec with no speculation, with
+  automatic n-gram speculation and with automatic suffix decoding (the server's default
+  without a draft model), against llama-server on the same GGUF.
 - ``qwen``: Qwen2.5-Coder-1.5B-Instruct (int8 activations) with no speculation, automatic
   n-gram speculation and automatic speculation with the 0.5B draft (as
   ``bench_speculative.py`` compiles it), against llama-server plain and with ``-md`` on the
@@ -33,8 +34,7 @@ from mlc_spec.serve import bench
 
 DATASETS = ("humaneval", "sharegpt")
 CONCURRENCY = (1, 4, 8, 16)
-NONE, AUTO = "off", "ngram k=auto"
-DRAFT = "draft k=auto"
+NONE = "off"
 LLAMA = ("llama-server", "llama-server -md")
 
 
@@ -47,7 +47,7 @@ def pair_arguments(pair: str, against_llama: bool = True) -> list[str]:
         return [
             *("--model", str(model)),
             *(llama if against_llama else []),
-            *("--speculative", "none", "ngram:auto"),
+            *("--speculative", "none", "ngram:auto", "suffix:auto"),
         ]
     model = compiled("qwen2.5-coder-1.5b-instruct", activations="int8")
     draft = compiled(
