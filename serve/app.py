@@ -340,8 +340,9 @@ def overlaps_host_work(pool_threads: int) -> bool:
     """Whether steps should run asynchronously (``async_scheduling``) by default: only where
     TVM's thread pools (``pool_threads`` in all, across replicas) leave a core for the host.
     With every core in a pool, the engine's and the server's Python preempt a pool thread
-    mid-pass and the whole pass waits for it at the next barrier, which costs more than the
-    overlap saves (docs/benchmarks-serving.md, async scheduling)."""
+    mid-pass and the whole pass waits for it at the next barrier, which eats what the overlap
+    saves: on 2 cores synchronous steps served as much or slightly more
+    (docs/benchmarks-serving.md, async scheduling)."""
     return pool_threads < len(os.sched_getaffinity(0))
 
 

@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         help="run each step's forward while the last step's tokens are turned into text and "
-        "streamed (default: on where TVM's threads leave a core free, else off: on a core "
-        "that the forward also uses, the overlap costs more than it saves)",
+        "streamed (default: on where TVM's threads leave a core free, else off: where the "
+        "forward takes every core, the overlap measured no gain)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
