@@ -69,6 +69,30 @@ def _cell(row: dict[str, Any]) -> str:
     return f"{row['output_throughput']:.0f} · {tpot}"
 
 
+def _head(load, software: str, requests: str, servers: str, columns: list[str]) -> list[str]:
+    """A section's context, its load, and its table's header (``columns`` before one column per
+    concurrency)."""
+    return [
+        *machine_context(load, software, "2 everywhere"),
+        f"- Load: {requests}; greedy, 64 tokens per answer (EOS ignored), streamed; batch 8, "
+        f"8192 tokens of KV cache{servers}",
+        "",
+        "| " + " | ".join([*columns, *(f"C={c}" for c in CONCURRENCY)]) + " |",
+        "|" + "---|" * len(columns) + "---:|" * len(CONCURRENCY),
+    ]
+
+
+def _paired(row: dict[str, Any], baseline: dict[str, Any]) -> np.ndarray:
+    """``row``'s throughput over ``baseline``'s, repeat by repeat: the two ran minutes apart at
+    most, under the same host."""
+    key = "output_throughput_by_repeat"
+    return np.divide(row[key], baseline[key])
+
+
+def _range(paired: np.ndarray) -> str:
+    return f"[{paired.min():.2f}-{paired.max():.2f}]"
+
+
 def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
     """The page's section: one row per dataset and server (output tok/s · TPOT p50/p99 ms at
     each concurrency), the policy's predicted against measured step times, and the goals."""
@@ -76,14 +100,13 @@ def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
     autos = [s for s in settings0 if s.endswith("k=auto")]
     mine = [s for s in settings0 if not s.startswith("llama")]
     llamas = [s for s in settings0 if s.startswith("llama")]
-    lines = [
-        *machine_context(load, "llama-server from scripts/llamacpp.py", "2 everywhere"),
-        f"- Load: {requests}; greedy, 64 tokens per answer (EOS ignored), streamed; batch 8, "
-        "8192 tokens of KV cache, llama-server with 8 slots and a unified KV cache",
-        "",
-        "| dataset | server | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |",
-        "|---|---|" + "---:|" * len(CONCURRENCY),
-    ]
+    lines = _head(
+        load,
+        "llama-server from scripts/llamacpp.py",
+        requests,
+        ", llama-server with 8 slots and a unified KV cache",
+        ["dataset", "server"],
+    )
     for dataset, res in results.items():
         for label, rows in res["settings"].items():
             lines.append(f"| {dataset} | {label} | " + " | ".join(map(_cell, rows)) + " |")
@@ -93,15 +116,11 @@ def section(pair: str, results: dict[str, dict], load, requests: str) -> str:
     for dataset, res in results.items():
         s = res["settings"]
         for i, c in enumerate(CONCURRENCY):
-            none = s[NONE][i]["output_throughput_by_repeat"]
             for a in autos:
-                # Paired by repeat: the two ran minutes apart at most, under the same host.
-                paired = np.divide(s[a][i]["output_throughput_by_repeat"], none)
+                paired = _paired(s[a][i], s[NONE][i])
                 name = f"{dataset} C={c} {a}"
                 auto_ratios.append((name, float(np.median(paired))))
-                spreads[name] = (
-                    f" [{paired.min():.2f}-{paired.max():.2f}]" if len(paired) > 1 else ""
-                )
+                spreads[name] = f" {_range(paired)}" if len(paired) > 1 else ""
                 p = s[a][i]["policy"]
                 if p:
                     policy.append(
@@ -139,36 +158,35 @@ def steps_section(results: dict[str, dict], load, requests: str) -> str:
     speculation setting, each mode's output tok/s and TPOT p50, and sync over async (the median
     of the repeats' paired ratios [their range])."""
     settings0 = next(iter(results.values()))["settings"]
+    asynchronous, synchronous = bench.STEP_MODES[True], bench.STEP_MODES[False]
     bases = list(dict.fromkeys(label.rpartition(", ")[0] for label in settings0))
-    lines = [
-        *machine_context(load, "mlc-spec serve", "2 everywhere"),
-        f"- Load: {requests}; greedy, 64 tokens per answer (EOS ignored), streamed; batch 8, "
-        "8192 tokens of KV cache; TVM's threads on every core, as by default",
-        "",
-        "| dataset | setting | steps | " + " | ".join(f"C={c}" for c in CONCURRENCY) + " |",
-        "|---|---|---|" + "---:|" * len(CONCURRENCY),
-    ]
-    slower = []
+    lines = _head(
+        load,
+        "mlc-spec serve",
+        requests,
+        "; TVM's threads on every core, as by default",
+        ["dataset", "setting", "steps"],
+    )
+    sync_behind = []  # per cell: sync's median ratio below 1
     for dataset, res in results.items():
         s = res["settings"]
         for base in bases:
-            on, off = s[f"{base}, async steps"], s[f"{base}, sync steps"]
+            on, off = s[f"{base}, {asynchronous}"], s[f"{base}, {synchronous}"]
             for mode, rows in (("async", on), ("sync", off)):
                 cells = " | ".join(map(_cell, rows))
                 lines.append(f"| {dataset} | {base} | {mode} | {cells} |")
             ratios = []
             for a, b in zip(on, off, strict=True):
-                by_repeat = "output_throughput_by_repeat"
-                paired = np.divide(b[by_repeat], a[by_repeat])
-                ratios.append(f"{np.median(paired):.2f}x [{paired.min():.2f}-{paired.max():.2f}]")
-                slower += [np.median(paired) < 1.0]
+                paired = _paired(b, a)
+                ratios.append(f"{np.median(paired):.2f}x {_range(paired)}")
+                sync_behind.append(np.median(paired) < 1.0)
             lines.append(f"| {dataset} | {base} | sync / async tok/s | {' | '.join(ratios)} |")
     lines += [
         "",
         "Cells: output tok/s · TPOT p50/p99 ms; ratios: the median of the repeats' [their range].",
         "",
         f"- Synchronous steps (the default where TVM's threads take every core) at least as fast "
-        f"as async scheduling in {slower.count(False)} of {len(slower)} cells",
+        f"as async scheduling in {sync_behind.count(False)} of {len(sync_behind)} cells",
     ]
     return "\n".join(lines)
 

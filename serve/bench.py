@@ -426,6 +426,10 @@ def at_least_one(value: str) -> int:
     return int(value)
 
 
+# A server's label suffix per step mode (``--async-scheduling``: True async, False sync).
+STEP_MODES = {True: "async steps", False: "sync steps"}
+
+
 def setting_label(speculative: str, k: str) -> str:
     method, _, own_k = speculative.partition(":")
     return "off" if method == "none" else f"{method} k={own_k or k}"
@@ -462,7 +466,7 @@ def servers(args) -> Iterator[tuple[str, contextlib.AbstractContextManager[str]]
             if not cached:
                 label, cmd = f"{label}, no prefix cache", [*cmd, "--no-enable-prefix-caching"]
             if overlap is not None:
-                label += ", async steps" if overlap else ", sync steps"
+                label += f", {STEP_MODES[overlap]}"
                 cmd.append("--async-scheduling" if overlap else "--no-async-scheduling")
             if replicas > 1:
                 cmd += ["--replicas", str(replicas)]

@@ -96,7 +96,7 @@ def test_each_step_mode_is_a_server_of_its_own(monkeypatch):
     ]
     assert [c[-1] for c in started] == ["--async-scheduling", "--no-async-scheduling"] * 2
     started.clear()
-    [_ for _ in bench.servers(cli.parse_args(["--speculative", "none"]))]
+    list(bench.servers(cli.parse_args(["--speculative", "none"])))
     assert not any("async-scheduling" in a for a in started[0])
 
 
