@@ -17,6 +17,7 @@ from .cpu_silu import LEGALIZE as SILU_LEGALIZE
 from .gpu_tensorize import SkipTensorize
 from .gpu_unroll import UnrollInCompiler
 from .noalias import SetNoAlias
+from .vm_dedup import DedupVMObjects
 
 
 class _Guarded(ScheduleRule):
@@ -70,7 +71,9 @@ def relax_pipeline(
     ``cpu_silu``, ``cpu_rms_norm``; the KV cache's kernels come with the model,
     ``cpu_kv_cache``), and every CPU kernel is compiled ``noalias``, or with ``noalias=False``
     (the int8-activation path) none is (``noalias.py``). On the GPU nvcc unrolls loops, or
-    with ``unroll=False`` (the sampler) none is unrolled (``gpu_unroll.py``)."""
+    with ``unroll=False`` (the sampler) none is unrolled (``gpu_unroll.py``). On the CPU, where
+    no CUDA graph hides the VM's bookkeeping, ``DedupVMObjects`` makes each shape and tensor
+    view once per call (``vm_dedup.py``)."""
     is_gpu = target.kind.name != "llvm"
     passes = [
         *([] if is_gpu else [UseCPUArgmaxKernel()]),
@@ -95,7 +98,7 @@ def relax_pipeline(
         rx.transform.LowerRuntimeBuiltin(),
         rx.transform.ComputePrimValue(),
         rx.transform.VMShapeLower(),
-        *([] if is_gpu else [SetNoAlias(noalias)]),
+        *([] if is_gpu else [DedupVMObjects(), SetNoAlias(noalias)]),
         rx.transform.AttachGlobalSymbol(),
     ]
 
