@@ -4,8 +4,8 @@ After ``VMShapeLower`` a batch-1 SmolLM2 decode ran ~4,450 VM instructions for i
 calls: every kernel's output got a fresh ``make_shape`` (a heap-allocated shape object) and a
 fresh ``alloc_tensor`` view into its statically planned storage, every reshape chain made each
 intermediate view, and ``KillAfterLastUse`` dropped each of them again, along with every weight
-taken out of the parameter tuple. The interpreter's cost of that bookkeeping was a sixth of a
-decode step (docs/kernels.md). Objects that an earlier instruction already made with the same
+taken out of the parameter tuple. That bookkeeping took about an eighth of the decode step
+(docs/kernels.md). Objects that an earlier instruction already made with the same
 arguments are the same value here:
 
 - a shape's dimensions live in the shape heap, whose slots are written once per call;
