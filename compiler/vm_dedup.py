@@ -79,6 +79,7 @@ def _is_pure(value: rx.Expr) -> bool:
 
 
 def dedup_function(func: rx.Function) -> rx.Function:
+    """``func`` with each VM object made once; unchanged if it has control flow."""
     body = func.body
     if not isinstance(body, rx.SeqExpr):
         return func
@@ -88,13 +89,39 @@ def dedup_function(func: rx.Function) -> rx.Function:
         for b in bindings
     ):
         return func
-
     alias: dict[rx.Var, rx.Var] = {}
+    kept, killed = _reuse(bindings, alias)
+    result = _Substitute(alias).visit_expr(body.body)
+    kept = _read_only(kept, result)
+    params = set(func.params)
+    never_killed = params | set(_vars(result))
+    never_killed |= {  # the caller's tuple holds a parameter's items: killing frees nothing
+        var
+        for var, value in kept
+        if isinstance(value, rx.TupleGetItem) and value.tuple_value in params
+    }
+    out = _kill_after_last_use(kept, [var for var in killed if var not in never_killed])
+    return rx.Function(
+        func.params,
+        rx.SeqExpr([rx.BindingBlock(out)], result),
+        func.ret_ty,
+        func.is_pure,
+        func.attrs,
+        func.span,
+    )
+
+
+def _reuse(
+    bindings: list[rx.VarBinding], alias: dict[rx.Var, rx.Var]
+) -> tuple[list[tuple[rx.Var, rx.Expr]], list[rx.Var]]:
+    """The bindings left once each object repeats its first maker (``alias`` maps the dropped
+    variables to it) and reshape chains start at their root, without the kills; what was
+    killed."""
     substitute = _Substitute(alias)
-    first: dict[str, rx.Var] = {}
+    first: dict[tuple, rx.Var] = {}
     reshape_root: dict[rx.Var, rx.Expr] = {}
-    killed: list[rx.Var] = []
     kept: list[tuple[rx.Var, rx.Expr]] = []
+    killed: list[rx.Var] = []
     for binding in bindings:
         var, value = binding.var, binding.value
         if isinstance(value, rx.Call) and value.op == _KILL:
@@ -110,52 +137,47 @@ def dedup_function(func: rx.Function) -> rx.Function:
                 )
             reshape_root[var] = value.args[0]
         key = _reusable_key(value)
+        if key is not None and key in first:
+            alias[var] = first[key]
+            continue
         if key is not None:
-            if key in first:
-                alias[var] = first[key]
-                continue
             first[key] = var
         kept.append((var, value))
-    result = substitute.visit_expr(body.body)
+    return kept, list(dict.fromkeys(killed))
 
-    while True:  # drop pure bindings that nothing reads any more, until none is left
+
+def _read_only(kept: list[tuple[rx.Var, rx.Expr]], result: rx.Expr) -> list[tuple[rx.Var, rx.Expr]]:
+    """Without the pure bindings that nothing reads (a reshape's former intermediates, the
+    tuples of a call's outputs), until none is left."""
+    while True:
         read = set(_vars(result))
         for _, value in kept:
             read.update(_vars(value))
         unread = {var for var, value in kept if var not in read and _is_pure(value)}
         if not unread:
-            break
+            return kept
         kept = [(var, value) for var, value in kept if var not in unread]
 
-    params = set(func.params)
-    never_killed = set(_vars(result)) | {
-        var
-        for var, value in kept
-        if isinstance(value, rx.TupleGetItem) and value.tuple_value in params
-    }
+
+def _kill_after_last_use(
+    kept: list[tuple[rx.Var, rx.Expr]], killed: list[rx.Var]
+) -> list[rx.VarBinding]:
+    """The bindings, each of ``killed`` dropped right after the last one that reads it."""
     last_use: dict[rx.Var, int] = {}
     for index, (var, value) in enumerate(kept):
         last_use.setdefault(var, index)
         for used in _vars(value):
             last_use[used] = index
     kills_after: dict[int, list[rx.Var]] = {}
-    for var in dict.fromkeys(killed):
-        if var in last_use and var not in never_killed and var not in params:
+    for var in killed:
+        if var in last_use:  # not a binding dropped as unread or repeated
             kills_after.setdefault(last_use[var], []).append(var)
-
     out = []
     for index, (var, value) in enumerate(kept):
         out.append(rx.VarBinding(var, value))
         for dead in kills_after.get(index, ()):
             out.append(rx.VarBinding(rx.Var("_", rx.ObjectType()), rx.Call(_KILL, [dead])))
-    return rx.Function(
-        func.params,
-        rx.SeqExpr([rx.BindingBlock(out)], result),
-        func.ret_ty,
-        func.is_pure,
-        func.attrs,
-        func.span,
-    )
+    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="DedupVMObjects")
