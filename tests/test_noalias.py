@@ -7,25 +7,13 @@ each multiply-add (2x slower prefill); no parity test would notice."""
 from __future__ import annotations
 
 import pytest
-from tiny_models import tiny_config
+from tiny_models import lowered_tiny_llama
 from tvm import tirx
-
-from mlc_spec.compiler.cpu_kv_cache import CPUKVCache
-from mlc_spec.compiler.pipeline import relax_pipeline
-from mlc_spec.compiler.targets import make_target
-from mlc_spec.models import LlamaForCausalLM, ModelConfig
 
 
 @pytest.mark.parametrize("noalias", [True, False])
 def test_every_kernel_of_a_model_has_one_noalias_setting(noalias):
-    cfg = ModelConfig.from_hf(
-        {**tiny_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]}
-    )
-    target = make_target("llvm")
-    model = LlamaForCausalLM(cfg, target, CPUKVCache(cfg))
-    mod, _ = model.export_tvm(spec=model.get_default_spec())
-    with target:
-        built = relax_pipeline(target, cfg.dtype, noalias=noalias)(mod)
+    built = lowered_tiny_llama(noalias)
     kernels = {gv.name_hint: f for gv, f in built.functions_items() if isinstance(f, tirx.PrimFunc)}
     # the VM's shape functions come without the attribute, the KV cache's kernels and the
     # scheduled matmuls with their own

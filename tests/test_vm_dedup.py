@@ -7,33 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from tiny_models import tiny_config
+from tiny_models import lowered_tiny_llama
 from tvm import relax as rx
 from tvm.script import ir as I  # noqa: N812 - TVMScript's own spelling
 from tvm.script import relax as R  # noqa: N812
 from tvm.script import tirx as T  # noqa: N812
 
 from mlc_spec.compiler import pipeline
-from mlc_spec.compiler.cpu_kv_cache import CPUKVCache
 from mlc_spec.compiler.targets import make_target
 from mlc_spec.compiler.vm_dedup import _KILL, _RESHAPE, _builtin, _reusable_key, _vars
-from mlc_spec.models import LlamaForCausalLM, ModelConfig
 
 
 def _without_dedup(monkeypatch) -> None:
     identity = tvm.transform.module_pass(lambda mod, _ctx: mod, opt_level=0, name="Identity")
     monkeypatch.setattr(pipeline, "DedupVMObjects", lambda: identity)
-
-
-def _lowered_model() -> tvm.IRModule:
-    cfg = ModelConfig.from_hf(
-        {**tiny_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]}
-    )
-    target = make_target("llvm")
-    model = LlamaForCausalLM(cfg, target, CPUKVCache(cfg))
-    mod, _ = model.export_tvm(spec=model.get_default_spec())
-    with target:
-        return pipeline.relax_pipeline(target, cfg.dtype, noalias=False)(mod)
 
 
 def _faults(func: rx.Function) -> list[str]:
@@ -42,10 +29,11 @@ def _faults(func: rx.Function) -> list[str]:
     bindings = [b for block in func.body.blocks for b in block.bindings]
     faults, seen, killed = [], set(), set()
     reshapes = {b.var for b in bindings if _builtin(b.value) == _RESHAPE}
+    params = set(func.params)
     items = {
         b.var
         for b in bindings
-        if isinstance(b.value, rx.TupleGetItem) and b.value.tuple_value in set(func.params)
+        if isinstance(b.value, rx.TupleGetItem) and b.value.tuple_value in params
     }
     for b in bindings:
         key = _reusable_key(b.value)
@@ -66,13 +54,13 @@ def _faults(func: rx.Function) -> list[str]:
 
 
 def test_a_model_makes_each_vm_object_once_per_call(monkeypatch):
-    mod = _lowered_model()
+    mod = lowered_tiny_llama(noalias=False)
     calls = {}
     for name in ("prefill", "decode", "evaluate_multi_query"):
         assert _faults(mod[name]) == [], name
         calls[name] = sum(len(block.bindings) for block in mod[name].body.blocks)
     _without_dedup(monkeypatch)
-    before = _lowered_model()
+    before = lowered_tiny_llama(noalias=False)
     assert _faults(before["decode"]) != []  # the check can fail: without the pass it does
     for name, count in calls.items():
         total = sum(len(block.bindings) for block in before[name].body.blocks)

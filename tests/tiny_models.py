@@ -9,7 +9,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+import tvm
 from tokenizers import Tokenizer, models, pre_tokenizers
+
+from mlc_spec.compiler.cpu_kv_cache import CPUKVCache
+from mlc_spec.compiler.pipeline import relax_pipeline
+from mlc_spec.compiler.targets import make_target
+from mlc_spec.models import LlamaForCausalLM, ModelConfig
 
 VOCAB = 320
 BOS, EOS = 1, 2
@@ -33,6 +39,19 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     kwargs.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
     return cls(**kwargs)
+
+
+def lowered_tiny_llama(noalias: bool) -> tvm.IRModule:
+    """A tiny Llama's module through the CPU pipeline (``relax_pipeline``), not built: the VM
+    code and kernels a compile would build, for tests of the pipeline's own passes."""
+    cfg = ModelConfig.from_hf(
+        {**tiny_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]}
+    )
+    target = make_target("llvm")
+    model = LlamaForCausalLM(cfg, target, CPUKVCache(cfg))
+    mod, _ = model.export_tvm(spec=model.get_default_spec())
+    with target:
+        return relax_pipeline(target, cfg.dtype, noalias=noalias)(mod)
 
 
 def make_tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn.Module:
