@@ -52,10 +52,12 @@ def compiled(
     activations: str | None = None,
     lm_head: str | None = None,
     lm_head_vocab: int | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Path:
     """The CPU artifact of the PyPI model ``name``, compiled on first use (``compile_model``
     only ever renames a complete artifact into place, so a cached one is whole); activations
-    None: the model's default (``options.default_activations``)."""
+    None: the model's default (``options.default_activations``), and likewise the KV cache's
+    float type (``options.default_kv_cache_dtype``)."""
     target = make_target("llvm")
     cpu = cpu_name(target)
     if activations is None:
@@ -63,7 +65,8 @@ def compiled(
     layers = f"-{num_layers}-layers" if num_layers is not None else ""
     head = f"-{lm_head}-head" if lm_head is not None else ""
     head += f"-vocab{lm_head_vocab}" if lm_head_vocab is not None else ""
-    kind = f"{cpu}-{quantization}-{activations}{layers}{head}"
+    kv = f"-kv-{kv_cache_dtype}" if kv_cache_dtype is not None else ""
+    kind = f"{cpu}-{quantization}-{activations}{layers}{head}{kv}"
     artifact = artifacts_dir() / f"{name}-llvm-{kind}-v{FORMAT_VERSION}-{_this_code()}"
     if artifact.exists():
         return artifact
@@ -78,6 +81,7 @@ def compiled(
                 lm_head=lm_head,
                 lm_head_vocab=lm_head_vocab,
                 num_layers=num_layers,
+                kv_cache_dtype=kv_cache_dtype,
             )
             compile_model(fetch(name), "llvm", artifact, options, show_progress=show_progress)
     return artifact

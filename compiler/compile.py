@@ -79,7 +79,10 @@ def compile_model(
         flashinfer.check_supported(cfg, options.cuda_arch)
     options = options.with_source_defaults(source, tvm_target)
     int8 = options.activations == "int8"
-    kv_cache = CPUKVCache(cfg) if target == "llvm" else TVMKVCache(options.attention)
+    if target == "llvm":
+        kv_cache = CPUKVCache(cfg, options.kv_cache_dtype)
+    else:
+        kv_cache = TVMKVCache(options.attention)
     module = MODEL_CLASSES[cfg.family](cfg, tvm_target, kv_cache)
     module.to(cfg.dtype)
     weights = quantizable_weights(module)
@@ -186,6 +189,7 @@ def _write_artifact(
             "cpu_features": vector_features(tvm_target),
             "attention": options.attention,
             "kv_cache": module.kv_cache.name,
+            "kv_cache_dtype": options.kv_cache_dtype,
             "tvm_version": tvm.__version__,
             "functions": list(functions(module.kv_cache.name)),
             "sampler_functions": list(sampler_functions(module.kv_cache.name)),

@@ -78,10 +78,13 @@ def _store(buffer: tirx.Buffer, at, value) -> None:
     T.buffer_store(buffer, value, [T.ramp(at, 1, PAGE)])
 
 
-def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
+def paged_attention(
+    h_kv: int, h_q: int, d: int, dtype: str, kv_dtype: str | None = None
+) -> tirx.PrimFunc:
     """Attention of each new row (its K/V already appended) over its sequence's pages.
 
-    ``q`` [rows, h_q, d]; ``pages`` [layers, num_pages, 2, h_kv, PAGE * d] (``page_layout``), of
+    ``q`` [rows, h_q, d] in ``dtype``; ``pages`` [layers, num_pages, 2, h_kv, PAGE * d]
+    (``page_layout``) in ``kv_dtype`` (default ``dtype``), read as float32, of
     which ``layer``'s; sequence s has rows ``q_indptr[s]`` .. ``q_indptr[s + 1]`` and pages
     ``page_values[page_indptr[s]:page_indptr[s + 1]]``; a row attends to the keys at positions
     0 .. ``positions[row]`` of its sequence, of which the last ``path_indptr[row + 1] -
@@ -93,13 +96,14 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
     # log2(e) / sqrt(d), rounded once: the query's scale for base-2 scores
     scale = T.float32(float(np.float32(np.float32(d**-0.5) * np.float32(math.log2(math.e)))))
     passes = [range(i, min(i + SHARED_HEADS, group)) for i in range(0, group, SHARED_HEADS)]
+    kv_dtype = kv_dtype or dtype
 
     with IRBuilder() as ib, scheduled_prim_func():
         rows, batch_plus_1, nnz, path_nnz = T.int32(), T.int32(), T.int32(), T.int32()
         layers, num_pages = T.int64(), T.int64()
         q = T.match_buffer(T.arg("q", T.handle()), (rows, h_q, d), dtype)
         pages = T.match_buffer(
-            T.arg("pages", T.handle()), (layers, num_pages, 2, h_kv, PAGE * d), dtype
+            T.arg("pages", T.handle()), (layers, num_pages, 2, h_kv, PAGE * d), kv_dtype
         )
         q_indptr = T.match_buffer(T.arg("q_indptr", T.handle()), (batch_plus_1,), "int32")
         page_indptr = T.match_buffer(T.arg("page_indptr", T.handle()), (batch_plus_1,), "int32")
@@ -109,7 +113,7 @@ def paged_attention(h_kv: int, h_q: int, d: int, dtype: str) -> tirx.PrimFunc:
         path_positions = T.match_buffer(T.arg("path_positions", T.handle()), (path_nnz,), "int32")
         layer = T.arg("layer", T.int64())
         output = T.match_buffer(T.arg("output", T.handle()), (rows, h_q, d), dtype)
-        flat = T.decl_buffer((layers * num_pages * 2 * h_kv * PAGE * d,), dtype, data=pages.data)
+        flat = T.decl_buffer((layers * num_pages * 2 * h_kv * PAGE * d,), kv_dtype, data=pages.data)
 
         def vec(buffer, at):
             value = buffer.vload([at], f"{buffer.dtype}x{PAGE}")

@@ -13,9 +13,11 @@ from tvm.script import tirx as T
 from .cpu_attention import PAGE
 
 
-def append_kv(h_kv: int, d: int, dtype: str) -> tirx.PrimFunc:
-    """k, v [tokens, h_kv, d] into ``layer``'s page slots ``slots`` (page * PAGE + offset) of
-    ``pages`` [layers, num_pages, 2, h_kv, PAGE * d], in place."""
+def append_kv(h_kv: int, d: int, dtype: str, kv_dtype: str | None = None) -> tirx.PrimFunc:
+    """k, v [tokens, h_kv, d] in ``dtype`` into ``layer``'s page slots ``slots`` (page * PAGE +
+    offset) of ``pages`` [layers, num_pages, 2, h_kv, PAGE * d] in ``kv_dtype`` (default
+    ``dtype``; a narrower one rounds each value to nearest even), in place."""
+    kv_dtype = kv_dtype or dtype
 
     @T.prim_func(s_tir=True)
     def kv_append_cpu(
@@ -28,7 +30,7 @@ def append_kv(h_kv: int, d: int, dtype: str) -> tirx.PrimFunc:
         T.func_attr({"tirx.is_scheduled": True, "op_pattern": 8})
         ntoken = T.int32()
         layers, num_pages = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (layers, num_pages, 2, h_kv, PAGE * d), dtype)
+        pages = T.match_buffer(var_pages, (layers, num_pages, 2, h_kv, PAGE * d), kv_dtype)
         k = T.match_buffer(var_k, (ntoken, h_kv, d), dtype)
         v = T.match_buffer(var_v, (ntoken, h_kv, d), dtype)
         slots = T.match_buffer(var_slots, (ntoken,), "int32")
@@ -40,8 +42,8 @@ def append_kv(h_kv: int, d: int, dtype: str) -> tirx.PrimFunc:
                 slot: T.let[T.int32] = slots[t] % PAGE
                 for h in range(h_kv):
                     for f in range(d):
-                        pages[layer, page, 0, h, f * PAGE + slot] = k[t, h, f]
+                        pages[layer, page, 0, h, f * PAGE + slot] = T.Cast(kv_dtype, k[t, h, f])
                     for f in T.vectorized(d):
-                        pages[layer, page, 1, h, slot * d + f] = v[t, h, f]
+                        pages[layer, page, 1, h, slot * d + f] = T.Cast(kv_dtype, v[t, h, f])
 
     return kv_append_cpu

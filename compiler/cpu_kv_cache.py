@@ -38,12 +38,15 @@ KV_INPUTS = (
 
 
 class CPUKVCache:
-    """The ``models.kv_cache.ModelKVCache`` of CPU artifacts."""
+    """The ``models.kv_cache.ModelKVCache`` of CPU artifacts, its pages in ``kv_dtype``
+    (default the model's float type): keys and values are rounded to it once, as they are
+    appended, and attention reads them back into float32."""
 
     name = "pages"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kv_dtype: str | None = None):
         self.cfg = cfg
+        self.kv_dtype = kv_dtype or cfg.dtype
         h_q, h_kv, d, dtype = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -52,8 +55,8 @@ class CPUKVCache:
         )
         self.shape = (h_q, h_kv, d)
         self.rope = rope_split(cfg.rope_theta, cfg.rope_scaling, h_q, h_kv, d, dtype)
-        self.append = append_kv(h_kv, d, dtype)
-        self.attention = paged_attention(h_kv, h_q, d, dtype)
+        self.append = append_kv(h_kv, d, dtype, self.kv_dtype)
+        self.attention = paged_attention(h_kv, h_q, d, dtype, self.kv_dtype)
 
     def spec(self) -> Any:
         _, h_kv, d = self.shape
@@ -61,7 +64,7 @@ class CPUKVCache:
         rows = nn.spec.Tensor(["rows"], "int32")
         indptr = nn.spec.Tensor(["batch_plus_1"], "int32")
         tensors = {
-            "pages": nn.spec.Tensor(pages, self.cfg.dtype),
+            "pages": nn.spec.Tensor(pages, self.kv_dtype),
             "positions": rows,
             "slots": rows,
             "q_indptr": indptr,
@@ -109,7 +112,7 @@ class _Forward:
             "kv_append_cpu",
             [self.result, k, v, t["slots"], layer],
             0,
-            nn.Tensor.placeholder(self.result.shape, dtype),
+            nn.Tensor.placeholder(self.result.shape, self.cache.kv_dtype),
         )
         out = op.tensor_ir_op(
             self.cache.attention,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from mlc_spec.runtime.artifact import ACTIVATIONS
+from mlc_spec.runtime.artifact import ACTIVATIONS, KV_CACHE_DTYPES
 
 from .activations_default import int8_by_default
 from .errors import CompileError
@@ -34,6 +34,7 @@ _ONE_TARGET = {
     "cpu": ("--cpu", "llvm"),
     "cuda_arch": ("--cuda-arch", "cuda"),
     "lm_head_vocab": ("--lm-head-vocab", "llvm"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "llvm"),
 }
 
 
@@ -50,7 +51,8 @@ class CompileOptions:
     layers for integer dot products (``int8_matmul``; llvm only), ``float`` keeps them;
     ``lm_head`` (``q4`` / ``q8``) group-quantizes the LM head anew and ``lm_head_vocab`` has it
     score only the first token ids (llvm only), both for a draft; ``num_layers`` keeps only
-    the first layers (a self-draft for layer-skip speculation)."""
+    the first layers (a self-draft for layer-skip speculation); ``kv_cache_dtype`` the float
+    type of the KV pages (llvm only; default ``default_kv_cache_dtype``)."""
 
     dtype: str | None = None
     cuda_arch: str | None = None
@@ -61,6 +63,7 @@ class CompileOptions:
     lm_head: str | None = None
     lm_head_vocab: int | None = None
     num_layers: int | None = None
+    kv_cache_dtype: str | None = None
 
     def validate(self, target: str) -> CompileOptions:
         """These options with ``target``'s defaults filled in, or a one-line CompileError naming
@@ -76,6 +79,7 @@ class CompileOptions:
         _check_known("quantization", self.quantization, QUANTIZATIONS)
         _check_known("LM head quantization", self.lm_head, LM_HEAD_QUANTIZATIONS)
         _check_known("activations", self.activations, ACTIVATIONS)
+        _check_known("KV cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         options = replace(
             self,
             dtype=self.dtype or DEFAULT_DTYPE[target],
@@ -102,7 +106,10 @@ class CompileOptions:
         activations = options.activations or default_activations(
             source.source_hash, options.quantization, tvm_target
         )
-        return replace(options, activations=activations)
+        kv_cache_dtype = options.kv_cache_dtype
+        if tvm_target.kind.name == "llvm" and kv_cache_dtype is None:
+            kv_cache_dtype = default_kv_cache_dtype(activations, options.dtype)
+        return replace(options, activations=activations, kv_cache_dtype=kv_cache_dtype)
 
 
 def default_quantization(source: ModelSource) -> str:
@@ -119,6 +126,15 @@ def default_activations(source_hash: str, quantization: str, tvm_target: Target)
         return "float"
     instruction = _integer_dot_instruction(tvm_target)
     return "int8" if instruction and int8_by_default(source_hash, instruction) else "float"
+
+
+def default_kv_cache_dtype(activations: str, dtype: str) -> str:
+    """The CPU's KV pages when ``--kv-cache-dtype`` is not given: float16 with int8 activations,
+    as llama.cpp keeps its KV cache by default (the fidelity verdicts in docs/quantization.md
+    hold with it), since a decode step's attention streams its pages from memory and half the
+    bytes take ~0.6x the time; the model's own ``dtype`` with float activations, the path
+    that keeps parity with transformers."""
+    return "float16" if activations == "int8" else dtype
 
 
 def fastest_activations(tvm_target: Target) -> str:

@@ -27,7 +27,7 @@ CONFIG_FILE = "mlc-spec-config.json"
 LIBRARY_FILE = "model.so"
 SAMPLER_LIBRARY_FILE = "sampler.so"
 WEIGHTS_FILE = "params.safetensors"
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 # How the linear layers treat activations (``mlc-spec compile --activations``): ``float``, or
 # ``int8``, quantized per row and weight group for integer dot products with quantized weights.
 ACTIVATIONS = ("float", "int8")
@@ -53,6 +53,8 @@ MODEL_FUNCTIONS = ("prefill", "decode", "evaluate_multi_query")
 # (CPU artifacts; ``runtime/kv_cache.py`` keeps the tables), or "tvm", TVM's KV cache object,
 # made by the artifact's ``create_paged_kv_cache`` (CUDA).
 KV_CACHES = ("pages", "tvm")
+# The float types a CPU artifact's KV pages may hold (``mlc-spec compile --kv-cache-dtype``).
+KV_CACHE_DTYPES = ("float32", "float16")
 
 
 def functions(kv_cache: str) -> tuple[str, ...]:
@@ -159,6 +161,8 @@ def read_config(artifact_dir: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} has unknown kv_cache {config.get('kv_cache')!r}")
     if config.get("activations") not in ACTIVATIONS:
         raise ArtifactError(f"{path} has unknown activations {config.get('activations')!r}")
+    if config["kv_cache"] == "pages" and config.get("kv_cache_dtype") not in KV_CACHE_DTYPES:
+        raise ArtifactError(f"{path} has unknown kv_cache_dtype {config.get('kv_cache_dtype')!r}")
     for name in (LIBRARY_FILE, SAMPLER_LIBRARY_FILE, WEIGHTS_FILE):
         if not (root / name).is_file():
             raise ArtifactError(f"artifact {root} is incomplete: {name} is missing")

@@ -121,7 +121,7 @@ class Model:
                 m["num_key_value_heads"],
                 page_size * m["head_dim"],
             )
-            pages = tvm.runtime.empty(shape, m["dtype"], self.device)
+            pages = tvm.runtime.empty(shape, self.config["kv_cache_dtype"], self.device)
             return PagePool(pages, page_size, prefix_cache)
         shape = tvm_ffi.Shape
         handle = self._fn["create_paged_kv_cache"](

@@ -20,7 +20,9 @@ reference format), run with every activation and the KV cache in f32.
   with the base's settings (KV cache f32, no flash attention); each run's log-probabilities
   are also saved, for per-position differences from ours.
 - Ours: ``evaluate_multi_query`` over each chunk (a fresh sequence), artifacts from
-  ``mlc_spec.compiler.cache.compiled`` with ``--activations int8`` and ``float``; KL and same
+  ``mlc_spec.compiler.cache.compiled`` with ``--activations int8`` and ``float``, each with its
+  default KV cache (f16 with int8, f32 with float, ``options.default_kv_cache_dtype``), and
+  int8 with an f32 KV cache beside them, which shows what the f16 cache costs; KL and same
   top computed as llama-perplexity computes them (``mlc_spec.agreement.kl_against``).
 
 Verdict: int8 by default iff ours int8's mean KL <= llama.cpp's (default run), point estimates;
@@ -70,6 +72,15 @@ LLAMACPP_RUNS = {
     "f32kv": ("llama.cpp, KV cache f32, no flash attention (the base's settings)", F32_SETTINGS),
 }
 VERDICT_RUN = "default"
+# Our artifacts: key -> (label, ``compiled`` options). "float" and "int8" are the defaults.
+OURS = {
+    "float": ("ours, float activations (KV cache f32)", {"activations": "float"}),
+    "int8": ("ours, int8 activations (KV cache f16, the default)", {"activations": "int8"}),
+    "int8 f32kv": (
+        "ours, int8 activations, KV cache f32",
+        {"activations": "int8", "kv_cache_dtype": "float32"},
+    ),
+}
 
 
 @dataclass
@@ -81,13 +92,12 @@ class Measured:
     problems: int
     chunks: int
     tokens_note: str
-    ours: dict[str, tuple[np.ndarray, np.ndarray]]  # "float", "int8", "int8 vs float"
+    ours: dict[str, tuple[np.ndarray, np.ndarray]]  # by ``OURS`` key, and "int8 vs float"
     llamacpp: dict[str, dict]  # run -> {"official": Fidelity, "kl": ..., "same": ...}
 
     def rows(self) -> list[tuple[str, Fidelity]]:
         return [
-            ("ours, float activations", Fidelity.of(*self.ours["float"])),
-            ("ours, int8 activations", Fidelity.of(*self.ours["int8"])),
+            *((label, Fidelity.of(*self.ours[key])) for key, (label, _) in OURS.items()),
             *((LLAMACPP_RUNS[r][0], self.llamacpp[r]["official"]) for r in LLAMACPP_RUNS),
         ]
 
@@ -123,7 +133,7 @@ def main() -> None:
 
     name = MODELS[args.model][0]
     source = fetch(name)
-    artifacts = {a: timed(f"compile {a}", compiled, name, activations=a) for a in ("float", "int8")}
+    artifacts = {k: timed(f"compile {k}", compiled, name, **o) for k, (_, o) in OURS.items()}
     tokenizer = Tokenizer(artifacts["float"])
     problems, text = text_for(tokenizer, args.chunks * N_CTX)
     work = work_dir(args.model, text, args.chunks)
@@ -268,17 +278,17 @@ def our_kl(models: dict, base: LlamaLogits) -> dict[str, tuple[np.ndarray, np.nd
             base.log_probs(chunk),
             {},
         )
-        for activations, model in models.items():
+        for key, model in models.items():
             start = time.monotonic()
-            logits[activations] = chunk_logits(model, tokens, rows)
-            seconds[activations] += time.monotonic() - start
-            kl, same = kl_against(base_log_probs, logits[activations])
-            found[activations][0].append(kl)
-            found[activations][1].append(same)
+            logits[key] = chunk_logits(model, tokens, rows)
+            seconds[key] += time.monotonic() - start
+            kl, same = kl_against(base_log_probs, logits[key])
+            found[key][0].append(kl)
+            found[key][1].append(same)
         found["int8 vs float"][0].append(kl_divergence(logits["float"], logits["int8"]))
         found["int8 vs float"][1].append(logits["float"].argmax(-1) == logits["int8"].argmax(-1))
-    for activations, s in seconds.items():
-        print(f"ours {activations}: {s:.0f} s", file=sys.stderr, flush=True)
+    for key, s in seconds.items():
+        print(f"ours {key}: {s:.0f} s", file=sys.stderr, flush=True)
     return {k: (np.concatenate(kl), np.concatenate(same)) for k, (kl, same) in found.items()}
 
 
@@ -356,6 +366,11 @@ def render(m: Measured, context: list[str]) -> str:
             f"here from its saved log-probabilities: {recomputed.mean_kl:.4g}, same top-1 "
             f"{recomputed.same_top:.2%})."
         )
+    mean, se = mean_and_se(m.ours["int8"][0] - m.ours["int8 f32kv"][0])
+    notes.append(
+        f"- Ours int8 with the KV cache in f16 minus in f32, paired per position: {mean:+.3g} ± "
+        f"{se:.2g} nats ({abs(mean) / se:.1f} standard errors)."
+    )
     int8_vs_float = Fidelity.of(*m.ours["int8 vs float"])
     notes.append(
         f"- Ours int8 against ours float (no F32 reference): mean KL {int8_vs_float.mean_kl:.3g}, "

@@ -18,6 +18,7 @@ from compiled_sampling import CompiledSampling, cpu_sampler
 from filelock import FileLock
 from tiny_models import (
     fake_quantize_activations,
+    half_kv_cache,
     make_tiny_model,
     perturbed_copy,
     quantize_dequantize,
@@ -89,7 +90,8 @@ class TinyModel:
     With ``quantization`` (q4 / q8) the artifact's linear and embedding weights are
     group-quantized, and the reference is the same model with each of those weights replaced
     by its quantize-dequantize round trip (``compiler.quantization``'s numpy reference); with
-    ``activations="int8"`` too, the reference quantizes every linear layer's input likewise."""
+    ``activations="int8"`` too, the reference quantizes every linear layer's input likewise and
+    rounds the keys and values to float16, as the artifact's KV cache holds them."""
 
     def __init__(
         self,
@@ -114,7 +116,7 @@ class TinyModel:
                 self.hf, bits=int(quantization[1:]), half_scales=activations == "int8"
             )
         if activations == "int8":
-            self.hf = fake_quantize_activations(self.hf)
+            self.hf = half_kv_cache(fake_quantize_activations(self.hf))
 
 
 @pytest.fixture(scope="session")

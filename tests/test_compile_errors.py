@@ -165,6 +165,11 @@ REFUSED_BEFORE_READING = {
         ["--activations", "int4"],
         "unknown activations 'int4'; choose one of float, int8",
     ),
+    "unknown KV cache dtype": (
+        "llvm",
+        ["--kv-cache-dtype", "int8"],
+        "unknown KV cache dtype 'int8'; choose one of float32, float16",
+    ),
     "unknown dtype": (
         "cuda",
         ["--dtype", "float8"],
@@ -190,6 +195,11 @@ REFUSED_BEFORE_READING = {
         "cuda",
         ["--lm-head-vocab", "8"],
         "--lm-head-vocab is built for --target llvm only, not cuda",
+    ),
+    "KV cache dtype for cuda": (
+        "cuda",
+        ["--kv-cache-dtype", "float16"],
+        "--kv-cache-dtype is built for --target llvm only, not cuda",
     ),
     "cuda arch for llvm": (
         "llvm",
@@ -271,9 +281,14 @@ def test_source_defaults_fill_only_what_was_not_given():
     target = options.tvm_target("llvm")
     filled = options.with_source_defaults(hf, target)
     assert filled.quantization == "none" and filled.activations in ACTIVATIONS
+    assert filled.kv_cache_dtype == "float32"  # float activations: the model's float type
     assert options.with_source_defaults(gguf, target).quantization == "as-source"
-    given = CompileOptions(quantization="q8", activations="int8").validate("llvm")
-    assert given.with_source_defaults(hf, target) == given
+    int8 = CompileOptions(quantization="q8", activations="int8").validate("llvm")
+    assert int8.with_source_defaults(hf, target).kv_cache_dtype == "float16"  # as llama.cpp's
+    given = CompileOptions(quantization="q8", activations="int8", kv_cache_dtype="float32")
+    assert given.validate("llvm").with_source_defaults(hf, target) == given.validate("llvm")
+    cuda = CompileOptions().validate("cuda")
+    assert cuda.with_source_defaults(hf, cuda.tvm_target("cuda")).kv_cache_dtype is None
 
 
 @pytest.mark.parametrize("attention", sorted({a for t in TARGETS for a in ATTENTION[t]}))
@@ -299,6 +314,18 @@ def test_artifact_for_a_cpu_without_its_vector_extensions_is_refused(tiny_llama,
     config["cpu_features"].append("avx512vnni-from-the-future")
     config_path.write_text(json.dumps(config))
     with pytest.raises(ArtifactError, match="avx512vnni-from-the-future, which this CPU lacks"):
+        Model(artifact)
+
+
+def test_artifact_with_an_unknown_kv_cache_dtype_is_refused(tiny_llama, tmp_path):
+    """Its pages would be allocated in a type its kernels do not read."""
+    artifact = Path(shutil.copytree(tiny_llama.artifact, tmp_path / "artifact"))
+    config_path = artifact / CONFIG_FILE
+    config = json.loads(config_path.read_text())
+    assert config["kv_cache_dtype"] == "float32"  # float activations: the model's type
+    config["kv_cache_dtype"] = "float8"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match="has unknown kv_cache_dtype 'float8'"):
         Model(artifact)
 
 

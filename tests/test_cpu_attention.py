@@ -19,6 +19,8 @@ from mlc_spec.compiler.targets import make_target
 LAYERS, LAYER = 2, 1
 # (KV heads, query heads, head size): the tiny test models, SmolLM2, Qwen2.5-1.5B.
 SHAPES = [(2, 4, 16), (3, 9, 64), (2, 12, 128)]
+# The pages' float types (``mlc-spec compile --kv-cache-dtype``).
+KV_DTYPES = ["float32", "float16"]
 
 
 def _reference(q, k, v):
@@ -36,11 +38,14 @@ def _reference(q, k, v):
 class _Pool:
     """A page pool of ``LAYERS`` layers holding each sequence's K/V on shuffled pages."""
 
-    def __init__(self, rng, lengths, h_kv, d, given=None):
-        """Random K/V of ``lengths`` tokens per sequence, or the ``given`` (k, v) pairs."""
+    def __init__(self, rng, lengths, h_kv, d, dtype, given=None):
+        """Random K/V of ``lengths`` tokens per sequence, or the ``given`` (k, v) pairs, on
+        pages of ``dtype``; ``kv`` holds them as the pages do."""
         given = given or [rng.standard_normal((2, n, h_kv, d)).astype(np.float32) for n in lengths]
+        given = [(k.astype(dtype).astype(np.float32), v.astype(dtype).astype(np.float32))
+                 for k, v in given]  # fmt: skip
         num_pages = sum(-(-len(k) // PAGE) for k, _ in given) + 3
-        self.pages = np.full((LAYERS, num_pages, 2, h_kv, PAGE * d), np.nan, np.float32)
+        self.pages = np.full((LAYERS, num_pages, 2, h_kv, PAGE * d), np.nan, dtype)
         order = [int(p) for p in rng.permutation(num_pages)]
         self.tables, self.kv = [], []
         for k, v in given:
@@ -73,19 +78,25 @@ class _Pool:
         return out.numpy()
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.fixture(
+    scope="module",
+    params=[(shape, kv) for shape in SHAPES for kv in KV_DTYPES],
+    ids=lambda p: "x".join(map(str, p[0])) + f"-{p[1]}",
+)
 def kernel(request):
-    h_kv, h_q, d = request.param
-    kernel = paged_attention(h_kv, h_q, d, "float32").with_attr("global_symbol", "main")
-    return request.param, tvm.compile(tvm.IRModule({"main": kernel}), target=make_target("llvm"))
+    """((KV heads, query heads, head size), the compiled kernel, its pages' dtype)."""
+    (h_kv, h_q, d), kv = request.param
+    kernel = paged_attention(h_kv, h_q, d, "float32", kv).with_attr("global_symbol", "main")
+    compiled = tvm.compile(tvm.IRModule({"main": kernel}), target=make_target("llvm"))
+    return (h_kv, h_q, d), compiled, kv
 
 
 def test_matches_the_reference(kernel):
     """Decode rows (a page's first key, a full page, one past), verify rows within and across
     pages, a prompt's rows from position 0."""
-    (h_kv, h_q, d), f = kernel
+    (h_kv, h_q, d), f, kv = kernel
     rng = np.random.default_rng(0)
-    pool = _Pool(rng, [1, 16, 17, 45, 40], h_kv, d)
+    pool = _Pool(rng, [1, 16, 17, 45, 40], h_kv, d, kv)
     rows = [
         (0, 0),
         (1, 15),
@@ -103,9 +114,9 @@ def test_matches_the_reference(kernel):
 def test_a_row_is_the_same_in_any_call(kernel):
     """Each row alone (a decode step), then all in one call with other sequences' rows (a
     verify batch and a prompt), then one sequence's rows in blocks of other sizes: equal bits."""
-    (h_kv, h_q, d), f = kernel
+    (h_kv, h_q, d), f, kv = kernel
     rng = np.random.default_rng(1)
-    pool = _Pool(rng, [37, 60, 9], h_kv, d)
+    pool = _Pool(rng, [37, 60, 9], h_kv, d, kv)
     rows = [*[(0, p) for p in range(20, 37)], *[(1, p) for p in range(44, 60)], (2, 8)]
     q = rng.standard_normal((len(rows), h_q, d)).astype(np.float32)
     alone = np.stack([pool.attend(f, q[i : i + 1], [r])[0] for i, r in enumerate(rows)])
@@ -131,9 +142,9 @@ def test_every_thread_count_runs_every_task_once(kernel, thread_pool):
     """The threads share the tasks out by cost: decode rows at short contexts beside a prompt
     chunk at a long one (a chunk's tasks cost the most) and a verify block. On 1 to 5 threads
     every row matches the reference, with the same bits."""
-    (h_kv, h_q, d), f = kernel
+    (h_kv, h_q, d), f, kv = kernel
     rng = np.random.default_rng(3)
-    pool = _Pool(rng, [5, 20, 33, 300, 3, 50], h_kv, d)
+    pool = _Pool(rng, [5, 20, 33, 300, 3, 50], h_kv, d, kv)
     rows = [(0, 4), (1, 19), (2, 32), *[(3, p) for p in range(290, 300)], (4, 2)]
     rows += [(5, p) for p in range(45, 50)]
     q = rng.standard_normal((len(rows), h_q, d)).astype(np.float32)
@@ -155,10 +166,10 @@ def test_a_tree_row_is_the_decode_row_of_its_path(kernel):
     boundary): each node's row attends to the context and its own path, and equals bit for bit
     the row of a sequence holding that path in order; a sibling's key is NaN-free but wrong, so
     reading one fails the comparison."""
-    (h_kv, h_q, d), f = kernel
+    (h_kv, h_q, d), f, kv = kernel
     rng = np.random.default_rng(2)
     context, parents = 29, [-1, 0, 0, 1, 1, 2, 3, 3, 5, 8, 9]  # node 0 is the pending token
-    pool = _Pool(rng, [context + len(parents)], h_kv, d)
+    pool = _Pool(rng, [context + len(parents)], h_kv, d, kv)
     depth = []
     for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
@@ -175,7 +186,7 @@ def test_a_tree_row_is_the_decode_row_of_its_path(kernel):
     for node, path in enumerate(paths):
         keys = np.concatenate([k[:context], k[path]])
         values = np.concatenate([v[:context], v[path]])
-        chain = _Pool(rng, [], h_kv, d, given=[(keys, values)])
+        chain = _Pool(rng, [], h_kv, d, kv, given=[(keys, values)])
         decoded = chain.attend(f, q[node : node + 1], [(0, context + depth[node])])[0]
         np.testing.assert_array_equal(tree[node], decoded)
         np.testing.assert_allclose(tree[node], _reference(q[node], keys, values), atol=2e-5)

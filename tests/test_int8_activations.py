@@ -41,16 +41,19 @@ MAX_MEAN_KL = 0.01
 
 
 def test_tiny_int8_logits_match_transformers_with_quantized_activations(tiny_llama_q4_int8):
-    """The reference rounds each linear layer's input to int8 and back in float, so it differs
-    from the integer path by float rounding, and now and then by one activation code where
-    that rounding crosses a half step: a tolerance of 1e-3 of the largest logit."""
+    """The reference rounds each linear layer's input to int8 and back in float, and the keys
+    and values to float16, so it differs from the integer path by float rounding, and now and
+    then by one activation code or float16 step where that rounding crosses a half step, which
+    the layers above carry on: most rows within 1e-4 of the largest logit, every row within
+    1e-2 (a code or a step off in one token moved 7 of these 40 rows by up to 0.8e-2)."""
     model = Model(tiny_llama_q4_int8.artifact)
     config = json.loads((tiny_llama_q4_int8.artifact / CONFIG_FILE).read_text())
-    assert config["activations"] == "int8"
+    assert config["activations"] == "int8" and config["kv_cache_dtype"] == "float16"
     seq = np.random.default_rng(1).integers(0, VOCAB, 40)
     ref = hf_logits(tiny_llama_q4_int8.hf, seq)
     kv = model.create_kv_cache(max_batch_size=1, max_total_len=128, prefill_chunk_size=64)
     kv.add_sequence(0)
+    assert kv.pages.dtype == "float16"
     ours = np.concatenate(
         [
             model.evaluate_multi_query(kv, [0], [seq[:33]]).numpy(),
@@ -58,7 +61,8 @@ def test_tiny_int8_logits_match_transformers_with_quantized_activations(tiny_lla
             *(model.decode(kv, [0], [t]).numpy() for t in seq[38:]),
         ]
     )
-    assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+    rows = np.abs(ours - ref).max(-1) / np.abs(ref).max()
+    assert np.median(rows) <= 1e-4 and rows.max() <= 1e-2, rows
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 

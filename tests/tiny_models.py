@@ -11,6 +11,7 @@ import torch
 import transformers
 import tvm
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mlc_spec.compiler.cpu_kv_cache import CPUKVCache
 from mlc_spec.compiler.pipeline import relax_pipeline
@@ -134,6 +135,22 @@ def fake_quantize_activations(
         size = group.get(name) if isinstance(group, Mapping) else group
         if isinstance(module, torch.nn.Linear) and size is not None:
             module.register_forward_pre_hook(quantizer(size))
+    return model
+
+
+def half_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with each layer's keys (after RoPE) and values rounded to float16 and back
+    before attention: the float model that an artifact with a float16 KV cache computes
+    (``--kv-cache-dtype float16``, the default with int8 activations)."""
+    implementation = model.config._attn_implementation
+    assert implementation in ("sdpa", None), f"{implementation} attention is not wrapped here"
+    inner = sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        return inner(module, query, key.half().float(), value.half().float(), *args, **kwargs)
+
+    transformers.AttentionInterface.register("half_kv_cache", attention)
+    model.set_attn_implementation("half_kv_cache")
     return model
 
 

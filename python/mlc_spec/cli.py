@@ -295,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu",
         help="llvm: the CPU to build for, native (default) or e.g. x86-64-v3 (portable AVX2)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        help="llvm: the KV cache's float type, float16 (default with int8 activations, as "
+        "llama.cpp's) or float32 (default with float activations); decode, verification and "
+        "prefill read the same pages, so speculation stays lossless either way",
+    )
     p.add_argument("-o", "--output", required=True, help="artifact directory (must not exist)")
     p.add_argument(
         "--num-layers",
