@@ -14,9 +14,12 @@ does. Prints microseconds per call, B / A (B is this tree, A the revision), and 
 difference between their outputs (summation order may differ; the kernels' own tests pin
 accuracy).
 
+``--kv-cache-dtype float16`` gives this tree's kernel a copy of the pool in float16 (the pages
+of an int8-activation artifact), against the revision's on float32 pages.
+
     python scripts/bench_attention.py --against REV [--context 133] [--rows 1,4,5,8]
         [--batches 64:1*8+2000:8,...] [--layers 1] [--shapes smollm2,qwen1.5b,qwen0.5b]
-        [--rounds 12] [--cpu native] [--write docs/benchmarks.md]
+        [--kv-cache-dtype float16] [--rounds 12] [--cpu native] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -90,11 +93,23 @@ def time_calls(kernel, per_layer: list) -> float:
     return (time.perf_counter() - start) / (rounds * len(per_layer))
 
 
-def build(module, target, shape: tuple[int, int, int]):
-    """The compiled kernel, and whether it takes draft-tree paths."""
+def with_pages(arguments: dict, dtype: str) -> dict:
+    """The same calls on a copy of their page pool in ``dtype``."""
     import tvm
 
-    kernel = module.paged_attention(*shape, "float32").with_attr("global_symbol", "main")
+    pages = arguments[False][0][1]
+    if pages.dtype == dtype:
+        return arguments
+    copy = tvm.runtime.tensor(pages.numpy().astype(dtype))
+    return {paths: [[c[0], copy, *c[2:]] for c in calls] for paths, calls in arguments.items()}
+
+
+def build(module, target, shape: tuple[int, int, int], kv_dtype: str = "float32"):
+    """The compiled kernel (pages in ``kv_dtype``), and whether it takes draft-tree paths."""
+    import tvm
+
+    pages = () if kv_dtype == "float32" else (kv_dtype,)  # revisions before float16 pages
+    kernel = module.paged_attention(*shape, "float32", *pages).with_attr("global_symbol", "main")
     compiled = tvm.compile(tvm.IRModule({"main": kernel}), target=target)
     return compiled, len(kernel.params) == 10  # q, pages, 4 tables, 2 path tables, layer, out
 
@@ -107,6 +122,9 @@ def main() -> None:
     parser.add_argument("--batches", help="CONTEXT:ROWS[*COUNT]+... each; replaces the above")
     parser.add_argument("--layers", type=int, default=1, help="the pool's layers; default 1")
     parser.add_argument("--shapes", default=",".join(HEADS), help=f"of {', '.join(HEADS)}")
+    parser.add_argument(
+        "--kv-cache-dtype", default="float32", help="B's pages: float32 (default) or float16"
+    )
     add_run_arguments(parser)
     args = parser.parse_args()
     shapes = shape_names(parser, args.shapes, HEADS)
@@ -128,15 +146,17 @@ def main() -> None:
     ]
     for name in shapes:
         h_kv, h_q, d = shape = HEADS[name]
-        kernels = {v: build(m, target, shape) for v, m in versions.items()}
+        pages = {"A": "float32", "B": args.kv_cache_dtype}
+        kernels = {v: build(m, target, shape, pages[v]) for v, m in versions.items()}
         for spec in batches:
             sequences = batch(spec) if args.batches else [(args.context, int(spec))]
-            arguments, out = call_arguments(sequences, args.layers, h_kv, h_q, d, rng)
+            shared, out = call_arguments(sequences, args.layers, h_kv, h_q, d, rng)
+            arguments = {v: with_pages(shared, pages[v]) for v in versions}
             outputs = []
-            for kernel, paths in kernels.values():
-                kernel(*arguments[paths][0])
+            for v, (kernel, paths) in kernels.items():
+                kernel(*arguments[v][paths][0])
                 outputs.append(out.numpy().copy())
-            timers = {v: partial(time_calls, k, arguments[p]) for v, (k, p) in kernels.items()}
+            timers = {v: partial(time_calls, k, arguments[v][p]) for v, (k, p) in kernels.items()}
             medians = alternating_medians(timers, args.rounds)
             a, b = medians["A"] * 1e6, medians["B"] * 1e6
             line = (
@@ -154,7 +174,8 @@ def main() -> None:
             "",
             *machine_context(load, software, f"{args.threads} threads"),
             f"- A: `{ATTENTION}` at `{args.against}` (`{against}`); B: this tree (HEAD "
-            f"`{short_commit('HEAD')}`)",
+            f"`{short_commit('HEAD')}`)"
+            + (f", pages in {args.kv_cache_dtype}" if args.kv_cache_dtype != "float32" else ""),
             (
                 "- Batches of sequences, CONTEXT:ROWS[*COUNT]: ROWS new rows after CONTEXT keys"
                 if args.batches
@@ -173,6 +194,7 @@ def main() -> None:
         ]
     )
     batches_key = "-batches" if args.batches else ""
+    batches_key += f"-{args.kv_cache_dtype}" if args.kv_cache_dtype != "float32" else ""
     publish(section, args.write, f"bench_attention-{against}-{args.cpu}{batches_key}")
 
 

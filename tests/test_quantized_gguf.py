@@ -10,7 +10,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as T
 from tiny_gguf import DIMS, LAYER_TYPES, write_mixed_gguf
-from tiny_models import fake_quantize_activations, tiny_config
+from tiny_models import fake_quantize_activations, half_kv_cache, tiny_config
 
 from mlc_spec.compiler.compile import compile_model
 from mlc_spec.compiler.errors import CompileError
@@ -148,7 +148,8 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     and by the LM head alike, computes what transformers computes on the file's dequantized
     weights with each linear layer's input rounded to int8 as the kernel rounds it before its
     format (per 16 values; before Q4_K and Q6_K per group, or on the vpmaddubsw path per 256
-    with power-of-two steps per group); the first layer only, to keep the suite short."""
+    with power-of-two steps per group) and the keys and values to float16, as the artifact's
+    KV cache holds them; the first layer only, to keep the suite short."""
     override = {"model.embed_tokens.weight": T.Q6_K}
     path = write_mixed_gguf(tmp_path / "tiny.gguf", "qwen2", override)
     artifact = compile_model(
@@ -167,7 +168,7 @@ def test_gguf_int8_tied_q6k_table_matches_transformers(tmp_path):
     layers = {**types, "lm_head": T.Q6_K}
     dot = integer_dot(make_target("llvm"))
     groups = {name: _rounding(dot, format_of(t)) for name, t in layers.items()}
-    hf = fake_quantize_activations(_reference(path, "qwen2", num_layers=1), groups)
+    hf = half_kv_cache(fake_quantize_activations(_reference(path, "qwen2", num_layers=1), groups))
     seq = np.random.default_rng(0).integers(0, DIMS["vocab_size"], 44)
     ref = _logits(hf, seq)[35:]
     ours = _our_logits(artifact, seq)
