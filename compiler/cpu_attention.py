@@ -20,7 +20,9 @@ head (a GQA group) share each key vector. A page's max is one horizontal reducti
 that raises the running max rescales what was summed; the running sum is kept per lane, and
 each value row is added with one fused multiply-add per vector. Keys past a row's position are
 masked (their lanes may hold anything, even NaN: a lane never reaches another) and their values
-are not read.
+are not read. Pages may hold float16 (``--kv-cache-dtype``, the default with int8
+activations): each key and value vector becomes float32 as it loads and the arithmetic is the
+same, so a decode row's pages, which come from memory in a model's layer, take half the bytes.
 
 A row of a draft tree (``runtime/draft_tree.py``) attends to the keys of its own path through
 the tree, not to every token before it in the pass: a path of ``m`` keys maps the row's last
