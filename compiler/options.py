@@ -131,9 +131,9 @@ def default_activations(source_hash: str, quantization: str, tvm_target: Target)
 def default_kv_cache_dtype(activations: str, dtype: str) -> str:
     """The CPU's KV pages when ``--kv-cache-dtype`` is not given: float16 with int8 activations,
     as llama.cpp keeps its KV cache by default (the fidelity verdicts in docs/quantization.md
-    hold with it), since a decode step's attention streams its pages from memory and half the
-    bytes take ~0.6x the time; the model's own ``dtype`` with float activations, the path
-    that keeps parity with transformers."""
+    hold with it), since a decode step's attention streams its pages from memory and reads
+    half the bytes (docs/kernels.md); the model's own ``dtype`` with float activations, the
+    path that keeps parity with transformers."""
     return "float16" if activations == "int8" else dtype
 
 

@@ -144,10 +144,10 @@ def half_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     (``--kv-cache-dtype float16``, the default with int8 activations)."""
     implementation = model.config._attn_implementation
     assert implementation in ("sdpa", None), f"{implementation} attention is not wrapped here"
-    inner = sdpa_attention_forward
 
     def attention(module, query, key, value, *args, **kwargs):
-        return inner(module, query, key.half().float(), value.half().float(), *args, **kwargs)
+        key, value = key.half().float(), value.half().float()
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     transformers.AttentionInterface.register("half_kv_cache", attention)
     model.set_attn_implementation("half_kv_cache")
