@@ -148,6 +148,15 @@ class IntegerDot:
     vnni: str | None = None
     maddubs: str | None = None
     maddwd: str | None = None
+    # ``widths`` for 8-bit codes where they differ: on vpmaddubsw each code word gives two
+    # nibble parts, twice a 4-bit group's, so a wide sweep over several rows spills them
+    # (docs/kernels.md).
+    byte_widths: tuple[int, ...] | None = None
+
+    def width(self, rows: int, bits: int) -> int:
+        """The most vectors a sweep of ``rows`` rows takes of ``bits``-bit codes."""
+        widths = self.byte_widths if bits == 8 and self.byte_widths else self.widths
+        return widths[rows - 1] if rows <= len(widths) else 1
 
     @property
     def instruction(self) -> str:
@@ -295,7 +304,12 @@ _INTEGER_DOTS = (
     (
         ("avx2",),
         IntegerDot(
-            8, (4, 4, 2, 2), 8, maddubs="llvm.x86.avx2.pmadd.ub.sw", maddwd="llvm.x86.avx2.pmadd.wd"
+            8,
+            (4, 4, 2, 2),
+            8,
+            maddubs="llvm.x86.avx2.pmadd.ub.sw",
+            maddwd="llvm.x86.avx2.pmadd.wd",
+            byte_widths=(4,),
         ),
     ),
 )
@@ -653,7 +667,7 @@ class _Kernel:
 
     def exact(self, rows: int) -> None:
         """M == rows <= the largest tile: every weight vector read once per call. A panel is
-        swept ``dot.widths[rows - 1]`` of its vectors at a time (1 beyond the tuple; the largest
+        swept ``dot.width(rows, bits)`` of its vectors at a time (the largest
         divisor of its vectors up to that), so that a sweep's decoded codes and its rows'
         accumulators stay in registers: two vectors' decoded codes (16 registers for 4-bit) and
         their rows' accumulators crowd even AVX-512's 32 from 5 rows on. Sweeps in registers
@@ -661,7 +675,7 @@ class _Kernel:
         (panel, sweep) pairs rather than the panels, so that an odd number of panels (9 for
         SmolLM2's 576 rows) splits evenly (docs/kernels.md)."""
         vectors, panels = self.shape.vectors, self.shape.panels
-        most = self.dot.widths[rows - 1] if rows <= len(self.dot.widths) else 1
+        most = self.dot.width(rows, self.fmt.bits)
         width = max(w for w in range(1, most + 1) if vectors % w == 0)
         sweeps = vectors // width
         with T.parallel(0, panels * sweeps) as unit:

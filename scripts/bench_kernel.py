@@ -170,7 +170,7 @@ def widths_at(module: ModuleType, width: int) -> SimpleNamespace:
     """``module``'s kernel with every row count's sweep width forced to ``width`` vectors."""
 
     def integer_dot(target):
-        return replace(module.integer_dot(target), widths=(width,) * 8)
+        return replace(module.integer_dot(target), widths=(width,) * 8, byte_widths=None)
 
     return SimpleNamespace(integer_dot=integer_dot, matmul_func=module.matmul_func)
 
