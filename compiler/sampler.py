@@ -3,7 +3,8 @@ leave the device: only token ids and accepted counts come back to the host.
 
 Every function is batched with per-row parameters over a symbolic vocabulary and is lowered by
 the same pipeline as the model (``DispatchSortScan`` there gives argsort and cumsum their CPU or
-GPU kernels). No randomness is drawn here: the host passes uniforms in [0, 1) drawn from each
+GPU kernels); on the CPU the softmax and the draw are vectorised kernels of their own
+(``cpu_probs``, ``cpu_sample``). No randomness is drawn here: the host passes uniforms in [0, 1) drawn from each
 request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
 
 ``argmax_tokens(logits)``
@@ -70,10 +71,12 @@ def attach_sampler(
     (``CPU_SAMPLER_FUNCTIONS``). A known size lets the CPU schedules vectorise the row loops."""
     bb = rx.BlockBuilder(mod)
     v = vocab_size
-    for add in (_add_argmax, _add_probs, _add_probs_top_kp, _add_sample):
-        add(bb, v)
-    _add_verify(bb, v, VERIFY_SAMPLED, sampled_draft=True)
-    _add_verify(bb, v, VERIFY_POINT, sampled_draft=False)
+    _add_argmax(bb, v)
+    _add_probs(bb, v, cpu)
+    _add_probs_top_kp(bb, v, cpu)
+    _add_sample(bb, v, cpu)
+    _add_verify(bb, v, VERIFY_SAMPLED, cpu, sampled_draft=True)
+    _add_verify(bb, v, VERIFY_POINT, cpu, sampled_draft=False)
     _add_mask(bb, v)
     if cpu:
         _add_probs_top_candidates(bb, v)
@@ -87,15 +90,15 @@ def _add_argmax(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
     _function(bb, ARGMAX, [logits], lambda: _te(bb, argmax, logits))
 
 
-def _add_probs(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+def _add_probs(bb: rx.BlockBuilder, vocab_size: int | None, cpu: bool) -> None:
     n, v = _sizes("n", vocab_size)
     logits, temperature = _arg("logits", [n, v], F32), _arg("temperature", [n], F32)
-    _function(bb, PROBS, [logits, temperature], lambda: _te(bb, _probs, logits, temperature))
+    _function(bb, PROBS, [logits, temperature], lambda: _plain(bb, logits, temperature, cpu))
 
 
-def _add_probs_top_kp(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+def _add_probs_top_kp(bb: rx.BlockBuilder, vocab_size: int | None, cpu: bool) -> None:
     params = _cut_params(vocab_size)
-    _function(bb, PROBS_TOP_KP, params, lambda: _top_kp(bb, *params))
+    _function(bb, PROBS_TOP_KP, params, lambda: _top_kp(bb, *params, cpu=cpu))
 
 
 def _add_probs_top_candidates(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
@@ -163,10 +166,10 @@ def _cut_params(vocab_size: int | None) -> list[rx.Var]:
     ]
 
 
-def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
+def _add_sample(bb: rx.BlockBuilder, vocab_size: int | None, cpu: bool) -> None:
     n, v = _sizes("n", vocab_size)
     probs, uniforms = _arg("probs", [n, v], F32), _arg("uniforms", [n], F32)
-    _function(bb, SAMPLE, [probs, uniforms], lambda: _sample(bb, probs, uniforms))
+    _function(bb, SAMPLE, [probs, uniforms], lambda: _sample(bb, probs, uniforms, cpu))
 
 
 def _add_mask(bb: rx.BlockBuilder, vocab_size: int | None) -> None:
@@ -187,7 +190,7 @@ def _masked(logits: te.Tensor, bitmask: te.Tensor) -> te.Tensor:
 
 
 def _add_verify(
-    bb: rx.BlockBuilder, vocab_size: int | None, name: str, sampled_draft: bool
+    bb: rx.BlockBuilder, vocab_size: int | None, name: str, cpu: bool, sampled_draft: bool
 ) -> None:
     t, b, r, d, v = _sizes("t", "b", "r", "d", vocab_size)
     params = [
@@ -199,7 +202,7 @@ def _add_verify(
     ]
     if sampled_draft:
         params += [_arg("draft_rows", [t], I32), _arg("draft_probs", [d, v], F32)]
-    _function(bb, name, params, lambda: _verify(bb, *params))
+    _function(bb, name, params, lambda: _verify(bb, cpu, *params))
 
 
 def _sizes(*dims: str | int | None) -> list[tirx.PrimExpr]:
@@ -285,14 +288,53 @@ def _probs(logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
     return _greedy_rows(probs, logits, temperature)
 
 
+def _plain(bb: rx.BlockBuilder, logits: rx.Var, temperature: rx.Var, cpu: bool) -> rx.Var:
+    """``_probs``; on the CPU the vectorised kernel of ``cpu_probs`` instead."""
+    if not cpu:
+        return _te(bb, _probs, logits, temperature)
+    from .cpu_probs import probs_rows  # noqa: PLC0415 - its TVMScript needs the vocab
+
+    n, v = logits.ty.shape
+    kernel = bb.add_func(probs_rows(v), "probs_rows")
+    return bb.emit(rx.call_tir(kernel, [logits, temperature], rx.TensorType([n, v], F32)))
+
+
+def _uncut_as_plain(
+    bb: rx.BlockBuilder, cut: rx.Var, logits: rx.Var, temperature: rx.Var, top_k, top_p
+) -> rx.Var:
+    """On the CPU, rows that neither top-k nor top-p cuts take ``_plain``'s bits: a request
+    then samples from the same probabilities whichever function its batch-mates' parameters
+    select, as its seed's draws require; ``_plain`` rounds otherwise than ``_cut``."""
+    plain = _plain(bb, logits, temperature, cpu=True)
+
+    def rows(plain, cut, top_k, top_p):
+        v = plain.shape[1]
+
+        def value(i, j):
+            off = tirx.all(tirx.any(top_k[i] <= 0, top_k[i] >= _i32(v)), top_p[i] >= 1)
+            return tirx.Select(off, plain[i, j], cut[i, j])
+
+        return te.compute(plain.shape, value, name="uncut_as_plain")
+
+    return _te(bb, rows, plain, cut, top_k, top_p)
+
+
 def _top_kp(
-    bb: rx.BlockBuilder, logits: rx.Var, temperature: rx.Var, top_k: rx.Var, top_p: rx.Var
+    bb: rx.BlockBuilder,
+    logits: rx.Var,
+    temperature: rx.Var,
+    top_k: rx.Var,
+    top_p: rx.Var,
+    cpu: bool,
 ) -> rx.Var:
     """One stable descending argsort serves both cuts: top-k reads the k-th value, top-p the
     cumulative mass in that order."""
     x = _te(bb, _scaled, logits, temperature)
     order = bb.emit(rx.op.argsort(x, axis=1, descending=True, dtype=I32))
-    return _cut(bb, logits, x, order, temperature, top_k, top_p)
+    probs = _cut(bb, logits, x, order, temperature, top_k, top_p)
+    if not cpu:
+        return probs
+    return _uncut_as_plain(bb, probs, logits, temperature, top_k, top_p)
 
 
 def _top_candidates(
@@ -413,7 +455,14 @@ def _kept_probs(
 # ---- probabilities -> tokens -----------------------------------------------------------------
 
 
-def _sample(bb: rx.BlockBuilder, probs: rx.Expr, uniforms: rx.Expr) -> rx.Var:
+def _sample(bb: rx.BlockBuilder, probs: rx.Var, uniforms: rx.Var, cpu: bool) -> rx.Var:
+    """Inverse-CDF draws; on the CPU the blocked kernel of ``cpu_sample`` instead."""
+    if cpu:
+        from .cpu_sample import sample_rows  # noqa: PLC0415 - its TVMScript needs the vocab
+
+        n, v = probs.ty.shape
+        kernel = bb.add_func(sample_rows(v), "sample_rows")
+        return bb.emit(rx.call_tir(kernel, [probs, uniforms], rx.TensorType([n], I32)))
     cdf = bb.emit(rx.op.cumsum(probs, axis=1))
     return _te(bb, _inverse_cdf, probs, cdf, uniforms)
 
@@ -449,6 +498,7 @@ def _inverse_cdf(probs: te.Tensor, cdf: te.Tensor, uniforms: te.Tensor) -> te.Te
 
 def _verify(
     bb: rx.BlockBuilder,
+    cpu: bool,
     draft_tokens: rx.Var,
     offsets: rx.Var,
     accept_u: rx.Var,
@@ -460,7 +510,7 @@ def _verify(
     draft = [] if draft_rows is None else [draft_rows, draft_probs]
     accepted = _te(bb, _num_accepted, draft_tokens, offsets, accept_u, target_probs, *draft)
     last = _te(bb, _last_distribution, draft_tokens, offsets, accepted, target_probs, *draft)
-    token = _sample(bb, last, sample_u)
+    token = _sample(bb, last, sample_u, cpu)
     emitted = _te(bb, _emitted, draft_tokens, offsets, accepted, token, target_probs)
     return rx.Tuple([accepted, emitted])
 
