@@ -4,8 +4,8 @@ leave the device: only token ids and accepted counts come back to the host.
 Every function is batched with per-row parameters over a symbolic vocabulary and is lowered by
 the same pipeline as the model (``DispatchSortScan`` there gives argsort and cumsum their CPU or
 GPU kernels); on the CPU the softmax and the draw are vectorised kernels of their own
-(``cpu_probs``, ``cpu_sample``). No randomness is drawn here: the host passes uniforms in [0, 1) drawn from each
-request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
+(``cpu_probs``, ``cpu_sample``). No randomness is drawn here: the host passes uniforms in
+[0, 1) drawn from each request's own generator. The numpy reference is ``tests/sampling_oracle.py``.
 
 ``argmax_tokens(logits)``
     greedy tokens, the lowest index on ties.
