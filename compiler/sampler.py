@@ -54,6 +54,9 @@ from mlc_spec.runtime.artifact import (
     TOP_CANDIDATES,
 )
 
+from .cpu_probs import probs_rows
+from .cpu_sample import sample_rows
+
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT, MASK = SAMPLER_FUNCTIONS
 PROBS_TOP_CANDIDATES, TOP_TOKENS = CPU_SAMPLER_FUNCTIONS
 
@@ -292,15 +295,18 @@ def _plain(bb: rx.BlockBuilder, logits: rx.Var, temperature: rx.Var, cpu: bool) 
     """``_probs``; on the CPU the vectorised kernel of ``cpu_probs`` instead."""
     if not cpu:
         return _te(bb, _probs, logits, temperature)
-    from .cpu_probs import probs_rows  # noqa: PLC0415 - its TVMScript needs the vocab
-
     n, v = logits.ty.shape
     kernel = bb.add_func(probs_rows(v), "probs_rows")
     return bb.emit(rx.call_tir(kernel, [logits, temperature], rx.TensorType([n, v], F32)))
 
 
 def _uncut_as_plain(
-    bb: rx.BlockBuilder, cut: rx.Var, logits: rx.Var, temperature: rx.Var, top_k, top_p
+    bb: rx.BlockBuilder,
+    cut: rx.Var,
+    logits: rx.Var,
+    temperature: rx.Var,
+    top_k: rx.Var,
+    top_p: rx.Var,
 ) -> rx.Var:
     """On the CPU, rows that neither top-k nor top-p cuts take ``_plain``'s bits: a request
     then samples from the same probabilities whichever function its batch-mates' parameters
@@ -458,8 +464,6 @@ def _kept_probs(
 def _sample(bb: rx.BlockBuilder, probs: rx.Var, uniforms: rx.Var, cpu: bool) -> rx.Var:
     """Inverse-CDF draws; on the CPU the blocked kernel of ``cpu_sample`` instead."""
     if cpu:
-        from .cpu_sample import sample_rows  # noqa: PLC0415 - its TVMScript needs the vocab
-
         n, v = probs.ty.shape
         kernel = bb.add_func(sample_rows(v), "sample_rows")
         return bb.emit(rx.call_tir(kernel, [probs, uniforms], rx.TensorType([n], I32)))
