@@ -6,13 +6,15 @@ TVM 0.27's VM has no profiler, so every call instruction of ``prefill``, ``decod
 activations: their activation quantization apart), the LM head, attention (the KV cache's
 kernels: RoPE, append, attention), norms, other elementwise kernels, VM builtins
 (allocation, shape checks). The host side of a call (token tensors,
-the KV cache's page tables, the VM call itself, greedy sampling) is timed without the
+the KV cache's page tables, the VM call itself, sampling: greedy, or at ``--temperature``
+every row's probabilities and a draw from each) is timed without the
 instrument, and the difference between the un-instrumented call and the sum of its kernels is
 the VM's own dispatch. Each kernel's time includes its thread-pool launch; run with
 ``--threads 1`` beside the default to see which kernels gain nothing from a second thread.
 
     python scripts/profile_step.py [--model smollm2|qwen1.5b | --artifact DIR] [--context 128]
         [--activations float|int8] [--verify 4 8] [--steps 32] [--repeats 5] [--threads N]
+        [--temperature T]
 """
 
 from __future__ import annotations
@@ -81,10 +83,12 @@ def median_ms(call: Callable[[], object], repeats: int) -> float:
 class Step:
     """One batch-1 sequence on a paged KV cache, with the host parts of a step split out."""
 
-    def __init__(self, model, prompt: np.ndarray):
+    def __init__(self, model, prompt: np.ndarray, temperature: float = 0.0):
         from mlc_spec.runtime import rows
+        from mlc_spec.runtime.params import SamplingParams
 
         self.model, self.prompt, self.rows = model, prompt, rows
+        self.params = SamplingParams(temperature=temperature)
         self.kv = model.create_kv_cache(
             max_batch_size=1, max_total_len=4096, prefill_chunk_size=1024
         )
@@ -102,13 +106,17 @@ class Step:
         return out
 
     def run(self, name: str, inputs: list, length: int):
-        """What ``Model._run`` does plus greedy sampling, each part timed on its own."""
+        """What ``Model._run`` does plus sampling, each part timed on its own."""
         m, forward = self.model, self.kv.forward([0], [length])
         kv = self._timed("KV cache: page tables", forward.__enter__)
         out = self._timed("VM call", lambda: m._fn[name](*inputs, kv, m.params))
         self._timed("KV cache: lengths", lambda: forward.__exit__(None, None, None))
         logits = self._timed("logits view", lambda: self.rows.matrix(out[0]))
-        return self._timed("sampling (argmax)", lambda: m.sampler.argmax(logits))
+        if self.params.greedy:
+            return self._timed("sampling (argmax)", lambda: m.sampler.argmax(logits))
+        rows = [self.params] * int(logits.shape[0])
+        probs = self._timed("sampling: probabilities", lambda: m.sampler.probs(logits, rows))
+        return self._timed("sampling: draw", lambda: m.sampler.sample(probs, [0.5] * len(rows)))
 
     def prefill(self) -> None:
         n = len(self.prompt)
@@ -246,6 +254,9 @@ def main() -> None:
     parser.add_argument("--activations", choices=("float", "int8"), default="float")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("TVM_NUM_THREADS", 2)))
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sample at it (default 0: greedy)"
+    )
     args = parser.parse_args()
     load = os.getloadavg()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM starts its pool
@@ -257,7 +268,7 @@ def main() -> None:
         args.artifact = compiled(MODELS[args.model], activations=args.activations)
     model = Model(args.artifact)
     prompt = np.random.default_rng(0).integers(100, model.vocab_size - 100, args.context)
-    step = Step(model, prompt)
+    step = Step(model, prompt, args.temperature)
     result = profile(step, jobs(step, args.steps, args.verify), args.repeats)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     cpu = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln)
