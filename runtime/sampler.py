@@ -17,6 +17,7 @@ import tvm
 import tvm.runtime
 
 from .artifact import CPU_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS, TOP_CANDIDATES
+from .kv_cache import host_tensor
 from .params import SamplingParams
 from .rows import take
 
@@ -49,9 +50,13 @@ class Sampler:
 
     def __init__(self, functions: Mapping[str, Callable], device: tvm.runtime.Device):
         self._fn, self.device = functions, device
+        self._host = device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
 
     def _put(self, values, dtype: type) -> tvm.runtime.Tensor:
-        return tvm.runtime.tensor(np.ascontiguousarray(values, dtype=dtype), self.device)
+        """Per-row parameters as a tensor; on the CPU through ``host_tensor``, a sampled step's
+        two or three of them being a visible share of its host time otherwise."""
+        array = np.ascontiguousarray(values, dtype=dtype)
+        return host_tensor(array) if self._host else tvm.runtime.tensor(array, self.device)
 
     def _uniforms(self, uniforms) -> tvm.runtime.Tensor:
         return self._put(np.minimum(np.asarray(uniforms, np.float32), _BELOW_ONE), np.float32)
