@@ -23,11 +23,56 @@ LANES = 16
 EXP_FLOOR = -87.0
 
 
+def _passes(v: tirx.PrimExpr):
+    """The row passes both kernels share, for rows of ``v`` values: ``row_max`` (acc[0] = the
+    row's maximum: 16 lanes, then the lanes and the tail) and ``exps`` (out = the floored
+    ``exp(x / scale - peak)``, acc[1] = their sum, in 16 lanes then across them)."""
+    vectors = v // LANES
+    tail = vectors * LANES
+
+    @T.macro
+    def row_max(x, i, lanes, acc):
+        acc[0] = x[i, 0]
+        if vectors > 0:
+            for lane in T.vectorized(LANES):
+                lanes[lane] = x[i, lane]
+            for j in range(1, vectors):
+                for lane in T.vectorized(LANES):
+                    lanes[lane] = T.max(lanes[lane], x[i, j * LANES + lane])
+            for lane in range(LANES):
+                acc[0] = T.max(acc[0], lanes[lane])
+        for j in range(tail, v):
+            acc[0] = T.max(acc[0], x[i, j])
+
+    @T.macro
+    def exps(x, scale, peak, out, i, lanes, acc):
+        acc[1] = T.float32(0)
+        if vectors > 0:
+            for lane in T.vectorized(LANES):
+                lanes[lane] = T.float32(0)
+            for j in range(vectors):
+                for lane in T.vectorized(LANES):
+                    d: T.let[T.float32] = x[i, j * LANES + lane] / scale - peak
+                    e: T.let[T.float32] = T.Select(d > T.float32(EXP_FLOOR), exp(d), T.float32(0))
+                    out[i, j * LANES + lane] = e
+                    lanes[lane] = lanes[lane] + e
+            for lane in range(LANES):
+                acc[1] = acc[1] + lanes[lane]
+        for j in range(tail, v):
+            d: T.let[T.float32] = x[i, j] / scale - peak
+            e: T.let[T.float32] = T.Select(d > T.float32(EXP_FLOOR), exp(d), T.float32(0))
+            out[i, j] = e
+            acc[1] = acc[1] + e
+
+    return row_max, exps
+
+
 def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
     """(logits [n, v], temperature [n]) float32 -> probs [n, v] float32."""
     vectors = v // LANES
     tail = vectors * LANES
     past = tirx.Cast("int32", v)  # an index past the row: none found yet
+    row_max, exps = _passes(v)
 
     @T.macro
     def row(logits, temperature, out, i):
@@ -38,18 +83,7 @@ def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
             index = T.sblock_alloc_buffer((LANES,), "int32", scope="local")
             acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
             first = T.sblock_alloc_buffer((1,), "int32", scope="local")
-            # The row's maximum: 16 lanes, then the lanes and the tail.
-            acc[0] = logits[i, 0]
-            if vectors > 0:
-                for lane in T.vectorized(LANES):
-                    lanes[lane] = logits[i, lane]
-                for j in range(1, vectors):
-                    for lane in T.vectorized(LANES):
-                        lanes[lane] = T.max(lanes[lane], logits[i, j * LANES + lane])
-                for lane in range(LANES):
-                    acc[0] = T.max(acc[0], lanes[lane])
-            for j in range(tail, v):
-                acc[0] = T.max(acc[0], logits[i, j])
+            row_max(logits, i, lanes, acc)
             if temperature[i] == T.float32(0):
                 # One-hot of the first maximum (np.argmax's index).
                 first[0] = past
@@ -78,28 +112,7 @@ def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
                 for j in range(tail, v):
                     out[i, j] = T.Select(T.Cast("int32", j) == first[0], T.float32(1), T.float32(0))
             else:
-                peak: T.let[T.float32] = acc[0] / temperature[i]
-                acc[1] = T.float32(0)
-                if vectors > 0:
-                    for lane in T.vectorized(LANES):
-                        lanes[lane] = T.float32(0)
-                    for j in range(vectors):
-                        for lane in T.vectorized(LANES):
-                            d: T.let[T.float32] = (
-                                logits[i, j * LANES + lane] / temperature[i] - peak
-                            )
-                            e: T.let[T.float32] = T.Select(
-                                d > T.float32(EXP_FLOOR), exp(d), T.float32(0)
-                            )
-                            out[i, j * LANES + lane] = e
-                            lanes[lane] = lanes[lane] + e
-                    for lane in range(LANES):
-                        acc[1] = acc[1] + lanes[lane]
-                for j in range(tail, v):
-                    d: T.let[T.float32] = logits[i, j] / temperature[i] - peak
-                    e: T.let[T.float32] = T.Select(d > T.float32(EXP_FLOOR), exp(d), T.float32(0))
-                    out[i, j] = e
-                    acc[1] = acc[1] + e
+                exps(logits, temperature[i], acc[0] / temperature[i], out, i, lanes, acc)
                 for j in range(vectors):
                     for lane in T.vectorized(LANES):
                         out[i, j * LANES + lane] = out[i, j * LANES + lane] / acc[1]
@@ -120,3 +133,33 @@ def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
                 row(logits, temperature, out, i)
 
     return probs_kernel
+
+
+def exp_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
+    """x [n, v] float32 -> the floored ``exp(x - max(row))`` [n, v] float32 (``sampler._row_exp``),
+    what the top-k / top-p functions keep or cut."""
+    row_max, exps = _passes(v)
+
+    @T.macro
+    def row(x, out, i):
+        with T.sblock("row"):
+            T.reads(x[i, 0:v])
+            T.writes(out[i, 0:v])
+            lanes = T.sblock_alloc_buffer((LANES,), "float32", scope="local")
+            acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+            row_max(x, i, lanes, acc)
+            exps(x, T.float32(1), acc[0], out, i, lanes, acc)
+
+    @T.prim_func(s_tir=True)
+    def exp_kernel(var_x: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, v), "float32")
+        out = T.match_buffer(var_out, (n, v), "float32")
+        if n == 1:
+            row(x, out, 0)
+        else:
+            for i in T.parallel(n):
+                row(x, out, i)
+
+    return exp_kernel

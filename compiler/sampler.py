@@ -54,7 +54,7 @@ from mlc_spec.runtime.artifact import (
     TOP_CANDIDATES,
 )
 
-from .cpu_probs import probs_rows
+from .cpu_probs import exp_rows, probs_rows
 from .cpu_sample import sample_rows
 
 ARGMAX, PROBS, PROBS_TOP_KP, SAMPLE, VERIFY_SAMPLED, VERIFY_POINT, MASK = SAMPLER_FUNCTIONS
@@ -254,9 +254,12 @@ def _scaled(logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
     )
 
 
-def _greedy_rows(probs: te.Tensor, logits: te.Tensor, temperature: te.Tensor) -> te.Tensor:
-    """Rows with temperature 0 replaced by the one-hot of the logits' argmax."""
-    best = argmax(logits)
+def _greedy_rows(
+    probs: te.Tensor, logits: te.Tensor, temperature: te.Tensor, best: te.Tensor | None = None
+) -> te.Tensor:
+    """Rows with temperature 0 replaced by the one-hot of the logits' argmax (``best`` where
+    it was computed apart)."""
+    best = argmax(logits) if best is None else best
     one, zero = tirx.const(1, F32), tirx.const(0, F32)
     return te.compute(
         probs.shape,
@@ -337,7 +340,7 @@ def _top_kp(
     cumulative mass in that order."""
     x = _te(bb, _scaled, logits, temperature)
     order = bb.emit(rx.op.argsort(x, axis=1, descending=True, dtype=I32))
-    probs = _cut(bb, logits, x, order, temperature, top_k, top_p)
+    probs = _cut(bb, logits, x, order, temperature, top_k, top_p, cpu)
     if not cpu:
         return probs
     return _uncut_as_plain(bb, probs, logits, temperature, top_k, top_p)
@@ -360,17 +363,30 @@ def _top_candidates(
     x = _te(bb, _scaled, logits, temperature)
     kernel = bb.add_func(top_candidates(v), "top_candidates")
     order = bb.emit(rx.call_tir(kernel, [x], rx.TensorType([n, TOP_CANDIDATES], I32)))
-    probs = _cut(bb, logits, x, order, temperature, top_k, top_p)
+    probs = _cut(bb, logits, x, order, temperature, top_k, top_p, cpu=True)
     return rx.Tuple([probs, _te(bb, _fits, x, order, temperature, top_k)])
 
 
-def _cut(bb, logits, x, order, temperature, top_k, top_p) -> rx.Var:
+def _cut(bb, logits, x, order, temperature, top_k, top_p, cpu: bool) -> rx.Var:
     """Top-k and top-p with ``order``: a stable descending argsort of ``x``, whole or its first
-    places (-1 past the row's end)."""
-    e = _te(bb, _row_exp, x)
+    places (-1 past the row's end). On the CPU the row's exponentials and the greedy rows'
+    argmax come from vector kernels (``cpu_probs.exp_rows``, ``cpu_argmax``) in place of
+    TVM's scalar passes over the row; both functions that cut go through here, so they keep
+    giving a row that fits the same bits."""
+    if cpu:
+        from .cpu_argmax import argmax_rows  # noqa: PLC0415 - it imports this module's argmax
+
+        n, v = logits.ty.shape
+        exps = bb.add_func(exp_rows(v), "exp_rows")
+        e = bb.emit(rx.call_tir(exps, [x], rx.TensorType([n, v], F32)))
+        # Unnamed: the pipeline swaps the same kernel in for the sampler's own argmax too.
+        argmaxes = bb.add_func(argmax_rows(v).without_attr("global_symbol"), "argmax_rows")
+        best = bb.emit(rx.call_tir(argmaxes, [logits], rx.TensorType([n], I32)))
+    else:
+        e, best = _te(bb, _row_exp, x), None
     sorted_exp = _te(bb, _sorted_exp, x, e, order, temperature, top_k)
     cdf = bb.emit(rx.op.cumsum(sorted_exp, axis=1))
-    return _te(bb, _kept_probs, logits, x, e, order, temperature, top_k, top_p, cdf)
+    return _te(bb, _kept_probs, logits, x, e, order, temperature, top_k, top_p, cdf, best)
 
 
 def _kth(x: te.Tensor, order: te.Tensor, temperature: te.Tensor, top_k: te.Tensor) -> te.Tensor:
@@ -426,6 +442,7 @@ def _kept_probs(
     top_k: te.Tensor,
     top_p: te.Tensor,
     cdf: te.Tensor,
+    best: te.Tensor | None = None,
 ) -> te.Tensor:
     """Top-k and top-p applied in token order, renormalised.
 
@@ -455,7 +472,7 @@ def _kept_probs(
     k = te.reduce_axis((0, v), name="k")
     total = te.compute((n,), lambda i: te.sum(kept[i, k], axis=k), name="kept_total")
     probs = te.compute(x.shape, lambda i, t: kept[i, t] / total[i], name="kept_probs")
-    return _greedy_rows(probs, logits, temperature)
+    return _greedy_rows(probs, logits, temperature, best)
 
 
 # ---- probabilities -> tokens -----------------------------------------------------------------
