@@ -7,8 +7,9 @@ argmax, over a vocabulary of 50-150k tokens (docs/kernels.md). Here a row takes 
 passes: the maximum of its logits (for a positive temperature the maximum of the scaled logits
 too, division being monotonic), then ``exp(x / T - max / T)`` (``vector_exp.exp``, 0 below
 ``EXP_FLOOR`` as before) stored and summed in 16 lanes, then the division by the sum. A greedy
-row (temperature 0) is the one-hot of its first maximum. Rows run on the thread pool when there
-are several; every row's arithmetic is the same whatever the batch.
+row (temperature 0) is the one-hot of its first maximum. ``exp_rows`` is the first two passes
+alone, the exponentials that top-k and top-p keep or cut (``sampler._cut``). Rows run on the
+thread pool when there are several; every row's arithmetic is the same whatever the batch.
 """
 
 from __future__ import annotations
