@@ -19,6 +19,7 @@ import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from .cpu_rule import each_row
 from .sampler import argmax
 
 NAME = argmax.__name__  # the sampler's PrimFunc (``emit_te`` names it after the function)
@@ -69,11 +70,7 @@ def argmax_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
         n = T.int64()
         logits = T.match_buffer(var_logits, (n, v), "float32")
         out = T.match_buffer(var_out, (n,), "int32")
-        if n == 1:
-            row(logits, out, 0)
-        else:
-            for i in T.parallel(n):
-                row(logits, out, i)
+        each_row(n, row, (logits, out))
 
     return argmax_kernel
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .cpu_rule import each_row
 from .vector_exp import exp
 
 LANES = 16
@@ -127,11 +128,7 @@ def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
         logits = T.match_buffer(var_logits, (n, v), "float32")
         temperature = T.match_buffer(var_temperature, (n,), "float32")
         out = T.match_buffer(var_out, (n, v), "float32")
-        if n == 1:
-            row(logits, temperature, out, 0)
-        else:
-            for i in T.parallel(n):
-                row(logits, temperature, out, i)
+        each_row(n, row, (logits, temperature, out))
 
     return probs_kernel
 
@@ -157,10 +154,6 @@ def exp_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
         n = T.int64()
         x = T.match_buffer(var_x, (n, v), "float32")
         out = T.match_buffer(var_out, (n, v), "float32")
-        if n == 1:
-            row(x, out, 0)
-        else:
-            for i in T.parallel(n):
-                row(x, out, i)
+        each_row(n, row, (x, out))
 
     return exp_kernel

@@ -42,6 +42,18 @@ def find_block(sch: s_tir.Schedule, name: str):
 SERIAL_BELOW_ELEMENTS = 8192
 
 
+@T.macro
+def each_row(n, row, buffers):
+    """``row(*buffers, i)`` for each of ``n`` rows: one row on the calling thread (a pool
+    launch would cost more than it saves), several on the thread pool. For the sampler's
+    per-row kernels, whose rows are independent and computed alike whatever the batch."""
+    if n == 1:
+        row(*buffers, 0)
+    else:
+        for i in T.parallel(n):
+            row(*buffers, i)
+
+
 @contextmanager
 def scheduled_prim_func() -> Iterator[None]:
     """A PrimFunc frame, for TVM's IR builder, for a kernel scheduled by hand: the dlight rules

@@ -16,6 +16,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .cpu_rule import each_row
+
 LANES = 16
 BLOCK = 16 * LANES
 
@@ -85,10 +87,6 @@ def sample_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
         probs = T.match_buffer(var_probs, (n, v), "float32")
         uniforms = T.match_buffer(var_uniforms, (n,), "float32")
         out = T.match_buffer(var_out, (n,), "int32")
-        if n == 1:
-            row(probs, uniforms, out, 0)
-        else:
-            for i in T.parallel(n):
-                row(probs, uniforms, out, i)
+        each_row(n, row, (probs, uniforms, out))
 
     return sample_kernel

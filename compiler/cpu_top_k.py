@@ -16,6 +16,8 @@ from tvm.script import tirx as T
 
 from mlc_spec.runtime.artifact import TOP_CANDIDATES
 
+from .cpu_rule import each_row
+
 
 def top_candidates(v: tirx.PrimExpr, width: int = TOP_CANDIDATES) -> tirx.PrimFunc:
     """x [n, v] float32 -> the indices of each row's ``width`` largest values [n, width] int32,
@@ -55,10 +57,6 @@ def top_candidates(v: tirx.PrimExpr, width: int = TOP_CANDIDATES) -> tirx.PrimFu
         n = T.int64()
         x = T.match_buffer(var_x, (n, v), "float32")
         out = T.match_buffer(var_out, (n, width), "int32")
-        if n == 1:
-            row(x, out, 0)
-        else:
-            for i in T.parallel(n):
-                row(x, out, i)
+        each_row(n, row, (x, out))
 
     return top_candidates_kernel
