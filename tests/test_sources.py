@@ -11,6 +11,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,7 @@ from mlc_spec.compiler import pypi_models
 from mlc_spec.compiler.cache import code_digest
 from mlc_spec.compiler.errors import CompileError
 from mlc_spec.compiler.pypi_models import default_cache_dir, fetch
-from mlc_spec.compiler.sources import load_source
+from mlc_spec.compiler.sources import _GGUFReader, load_source
 from mlc_spec.models import ConfigError, ModelConfig
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "def", "f", "x"]
@@ -220,6 +221,41 @@ def test_gguf_synthetic(tmp_path, arch):
     assert model.attention_bias is (arch == "qwen2")
     assert source.chat_template == CHAT_TEMPLATE
     assert source.source_hash == _sha256(path)
+
+
+def test_gguf_reader_reads_what_ggufs_own_does(tmp_path):
+    """The faster reader gives every field (its parts, types and value) and every tensor as
+    gguf's reader does."""
+    state = {k: v.float().numpy() for k, v in _tiny_model("qwen2").state_dict().items()}
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "qwen2", TINY, state)
+    ours, theirs = _GGUFReader(path, "r"), gguf.GGUFReader(path, "r")
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields) > 10
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data)
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True))
+        assert str(mine.contents()) == str(field.contents())
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == tensor.tensor_type and mine.data_offset == tensor.data_offset
+        assert np.array_equal(mine.data, tensor.data)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_tokenizer_as_auto_tokenizer_saves_it(tmp_path, arch):
+    """The tokenizer written without AutoTokenizer's whole-file read is AutoTokenizer's own: the
+    same class and the same files (our config adds the chat template inline)."""
+    state = {k: v.float().numpy() for k, v in _tiny_model(arch).state_dict().items()}
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, arch, TINY, state)
+    load_source(path).save_tokenizer(tmp_path / "ours")
+    AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name).save_pretrained(tmp_path / "auto")
+    ours, auto = (tmp_path / "ours", tmp_path / "auto")
+    assert (ours / "tokenizer.json").read_bytes() == (auto / "tokenizer.json").read_bytes()
+    config = json.loads((ours / "tokenizer_config.json").read_text())
+    assert config.pop("chat_template") == CHAT_TEMPLATE
+    assert config == json.loads((auto / "tokenizer_config.json").read_text())
 
 
 # --- bad inputs ---------------------------------------------------------------------------
