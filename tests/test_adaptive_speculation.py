@@ -21,7 +21,8 @@ from mlc_spec.runtime.proposers.build import build_proposer
 from mlc_spec.runtime.speculation import Attention, warm_up
 from mlc_spec.runtime.speculation.costs import REFERENCE_CONTEXT, STALE_AFTER
 from mlc_spec.runtime.speculation.policy import REFRESH_BELOW
-from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE, LONG_CONTEXT, time_passes
+from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE, LONG_CONTEXT
+from mlc_spec.runtime.speculation.warm_up import _sweeps as sweeps
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 AUTO = "auto"
@@ -147,11 +148,11 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference, monkeypatch):
     target's and every step's choice, estimate and predicted/measured time is reported."""
     timed = []
 
-    def recording(model, kv, function, passes, chunk_size, context=REFERENCE_CONTEXT):
-        timed.append((function, context))
-        return time_passes(model, kv, function, passes, chunk_size, context)
+    def recording(model, kv, function, passes, ids):
+        timed.append((function, kv.sequence_length(ids[0])))
+        return sweeps(model, kv, function, passes, ids)
 
-    monkeypatch.setattr(warm_up, "time_passes", recording)
+    monkeypatch.setattr(warm_up, "_sweeps", recording)
     llm = LLM(tiny_llama.artifact, draft_model=tiny_llama.artifact)  # automatic by default
     outputs = llm.generate(_prompts(), GREEDY)
     assert _ids(outputs) == reference

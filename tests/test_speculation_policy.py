@@ -635,6 +635,9 @@ class _Cache:
 
     def popn(self, seq_id: int, n: int) -> None: ...
 
+    def sequence_length(self, seq_id: int) -> int:
+        return 0
+
 
 class _LoadedModel:
     """Every pass takes 10 ms per row, plus 100 ms while a burst of other load lasts (its

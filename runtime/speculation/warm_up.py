@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -51,43 +52,10 @@ def time_passes(
     ``context`` tokens each where the cache has room (else none), removed afterwards; a pass
     the cache cannot hold is not run (``None``). The fastest of ``SWEEPS`` sweeps over all
     passes."""
-    ids = list(range(max(len(p) for p in passes)))
-
-    def fits(context: int, lengths: Sequence[int]) -> bool:
-        need = sum(-(-(context + n) // kv.page_size) for n in lengths)
-        return need <= kv.available_pages()
-
-    widest = [max(p[i] if i < len(p) else 0 for p in passes) for i in ids]
-    context = context if fits(context, widest) else 0
-    rng = np.random.default_rng(0)
-    for seq_id in ids:
-        kv.add_sequence(seq_id)
-    try:
-        if context:
-            tokens = [[(i * 31 + j) % model.vocab_size for j in range(context)] for i in ids]
-            model.prefill_chunked(kv, ids, tokens, chunk_size)
-        seconds: list[float | None] = []
-        for lengths in [passes[0], *passes * SWEEPS]:  # the first, untimed: first-call costs
-            if not fits(0, lengths):
-                seconds.append(None)
-                continue
-            rows = ids[: len(lengths)]
-            start = time.perf_counter()
-            if function == "decode":
-                logits = model.decode(kv, rows, [1] * len(rows))
-            else:
-                logits = getattr(model, function)(kv, rows, [[1] * n for n in lengths])
-            n = logits.shape[0]
-            model.sampler.sample_logits(logits, [_SAMPLED] * n, rng.random(n))
-            seconds.append(time.perf_counter() - start)
-            for seq_id, n in zip(rows, lengths, strict=True):
-                kv.popn(seq_id, n)
-    finally:
-        for seq_id in ids:
-            kv.remove_sequence(seq_id)
-    timed = seconds[1:]
-    sweeps = [timed[i * len(passes) : (i + 1) * len(passes)] for i in range(SWEEPS)]
-    return [None if None in times else min(times) for times in zip(*sweeps, strict=True)]
+    widest = [max(p[i] if i < len(p) else 0 for p in passes) for i in range(max(map(len, passes)))]
+    with _sequences(kv, len(widest)) as ids:
+        _grow(model, kv, ids, context if _fits(kv, context, widest) else 0, chunk_size)
+        return _sweeps(model, kv, function, passes, ids)
 
 
 def attention_costs(
@@ -96,28 +64,85 @@ def attention_costs(
     """What a pass pays per token of context beyond the reference (``Attention``): ``rows``
     decode rows, and a verify of ``width`` tokens of one sequence against one token, each timed
     at ``REFERENCE_CONTEXT`` and at up to ``LONG_CONTEXT`` tokens per sequence (what the cache
-    holds); none where it holds too little to tell."""
+    holds); none where it holds too little to tell. The same sequences serve both functions and
+    grow from one context to the other, so each context token is prefilled once (4.9 of the
+    10.3 s that four sets of sequences took on Qwen2.5-1.5B at batch 1). The reference passes
+    are timed again, right beside the long ones, though the tables hold them: a difference of
+    passes timed seconds apart drifted with the host (the draft rate of SmolLM2 int8 ranged
+    0.06-1.5 us over three loads, against 0.5-0.9 paired)."""
     long = min(LONG_CONTEXT, (kv.available_pages() // rows - 1) * kv.page_size)
     if long < 4 * REFERENCE_CONTEXT or width < 2:
         return Attention()
-
-    def added(function: str, passes: list[list[int]]) -> list[float] | None:
-        """Per pass: seconds per token of context beyond the reference, per sequence. The
-        reference passes are timed again, right beside the long ones, though the tables hold
-        them: a difference of passes timed seconds apart drifted with the host (the draft rate
-        of SmolLM2 int8 ranged 0.06-1.5 us over three loads, against 0.5-0.9 paired)."""
-        near = time_passes(model, kv, function, passes, chunk_size, REFERENCE_CONTEXT)
-        far = time_passes(model, kv, function, passes, chunk_size, long)
-        if None in near or None in far:
-            return None
-        beyond = long - REFERENCE_CONTEXT
-        return [max(0.0, f - n) / beyond for n, f in zip(near, far, strict=True)]
-
-    decode = added("decode", [[1] * rows])
-    verify = added("evaluate_multi_query", [[1], [width]])
-    if decode is None or verify is None:
+    passes = {"decode": [[1] * rows], "evaluate_multi_query": [[1], [width]]}
+    timed: dict[int, dict[str, list[float | None]]] = {}
+    with _sequences(kv, rows) as ids:
+        for context in (REFERENCE_CONTEXT, long):
+            _grow(model, kv, ids, context, chunk_size)
+            timed[context] = {f: _sweeps(model, kv, f, p, ids) for f, p in passes.items()}
+    near, far = timed[REFERENCE_CONTEXT], timed[long]
+    if any(None in times for times in (*near.values(), *far.values())):
         return Attention()
+    beyond = long - REFERENCE_CONTEXT
+    decode, verify = (
+        [max(0.0, f - n) / beyond for n, f in zip(near[name], far[name], strict=True)]
+        for name in passes
+    )
     return Attention(decode[0] / rows, max(0.0, verify[1] - verify[0]) / (width - 1))
+
+
+def _fits(kv: PagedKVCache, context: int, lengths: Sequence[int]) -> bool:
+    """Whether the cache has the pages for sequences of ``context`` + ``lengths[i]`` tokens."""
+    need = sum(-(-(context + n) // kv.page_size) for n in lengths)
+    return need <= kv.available_pages()
+
+
+@contextmanager
+def _sequences(kv: PagedKVCache, n: int) -> Iterator[list[int]]:
+    """``n`` throwaway sequences in the empty cache, removed afterwards."""
+    ids = list(range(n))
+    for seq_id in ids:
+        kv.add_sequence(seq_id)
+    try:
+        yield ids
+    finally:
+        for seq_id in ids:
+            kv.remove_sequence(seq_id)
+
+
+def _grow(model: Model, kv: PagedKVCache, ids: list[int], context: int, chunk_size: int) -> None:
+    """Each sequence prefilled up to ``context`` tokens."""
+    tokens = [
+        [(i * 31 + j) % model.vocab_size for j in range(kv.sequence_length(i), context)]
+        for i in ids
+    ]
+    if any(tokens):
+        model.prefill_chunked(kv, ids, tokens, chunk_size)
+
+
+def _sweeps(
+    model: Model, kv: PagedKVCache, function: str, passes: Sequence[Sequence[int]], ids: list[int]
+) -> list[float | None]:
+    """``time_passes``' timing on sequences ``ids``, each pass's tokens taken back after it."""
+    rng = np.random.default_rng(0)
+    seconds: list[float | None] = []
+    for lengths in [passes[0], *passes * SWEEPS]:  # the first, untimed: first-call costs
+        if not _fits(kv, 0, lengths):
+            seconds.append(None)
+            continue
+        rows = ids[: len(lengths)]
+        start = time.perf_counter()
+        if function == "decode":
+            logits = model.decode(kv, rows, [1] * len(rows))
+        else:
+            logits = getattr(model, function)(kv, rows, [[1] * n for n in lengths])
+        n = logits.shape[0]
+        model.sampler.sample_logits(logits, [_SAMPLED] * n, rng.random(n))
+        seconds.append(time.perf_counter() - start)
+        for seq_id, n in zip(rows, lengths, strict=True):
+            kv.popn(seq_id, n)
+    timed = seconds[1:]
+    sweeps = [timed[i * len(passes) : (i + 1) * len(passes)] for i in range(SWEEPS)]
+    return [None if None in times else min(times) for times in zip(*sweeps, strict=True)]
 
 
 def sizes(smallest: int, largest: int) -> list[int]:
