@@ -19,13 +19,14 @@ import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from .cpu_rule import each_row
+from .cpu_rule import each_row, per_vocabulary
 from .sampler import argmax
 
 NAME = argmax.__name__  # the sampler's PrimFunc (``emit_te`` names it after the function)
 LANES = 16
 
 
+@per_vocabulary
 def argmax_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
     """logits [n, v] float32 -> the index of each row's first maximum, int32 [n]."""
     vectors = v // LANES

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_rule import each_row
+from .cpu_rule import each_row, per_vocabulary
 from .vector_exp import exp
 
 LANES = 16
@@ -69,6 +69,7 @@ def _passes(v: tirx.PrimExpr):
     return row_max, exps
 
 
+@per_vocabulary
 def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
     """(logits [n, v], temperature [n]) float32 -> probs [n, v] float32."""
     vectors = v // LANES
@@ -133,6 +134,7 @@ def probs_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
     return probs_kernel
 
 
+@per_vocabulary
 def exp_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
     """x [n, v] float32 -> the floored ``exp(x - max(row))`` [n, v] float32 (``sampler._row_exp``),
     what the top-k / top-p functions keep or cut."""

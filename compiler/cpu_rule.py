@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import tvm
@@ -40,6 +41,22 @@ def find_block(sch: s_tir.Schedule, name: str):
 # Output elements below which a kernel runs on the calling thread: a thread-pool launch and
 # barrier costs microseconds (a scheduler time slice when the machine is busy), the work less.
 SERIAL_BELOW_ELEMENTS = 8192
+
+
+def per_vocabulary(build: Callable[..., tirx.PrimFunc]) -> Callable[..., tirx.PrimFunc]:
+    """``build(v, *args)``, a sampler's row kernel, built once per fixed vocabulary size ``v``
+    (a symbolic one builds anew): parsing a kernel's TVMScript takes 0.1-0.3 s, and a sampler
+    module asks for some of them two or three times."""
+
+    @functools.cache
+    def fixed(size: int, dtype: str, *args) -> tirx.PrimFunc:
+        return build(tirx.const(size, dtype), *args)
+
+    @functools.wraps(build)
+    def kernel(v: tirx.PrimExpr, *args) -> tirx.PrimFunc:
+        return fixed(int(v), str(v.ty), *args) if isinstance(v, tirx.IntImm) else build(v, *args)
+
+    return kernel
 
 
 @T.macro

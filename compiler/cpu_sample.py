@@ -16,12 +16,13 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_rule import each_row
+from .cpu_rule import each_row, per_vocabulary
 
 LANES = 16
 BLOCK = 16 * LANES
 
 
+@per_vocabulary
 def sample_rows(v: tirx.PrimExpr) -> tirx.PrimFunc:
     """(probs [n, v] float32, uniforms [n] float32) -> one token per row, int32 [n]."""
     blocks = v // BLOCK

@@ -16,9 +16,10 @@ from tvm.script import tirx as T
 
 from mlc_spec.runtime.artifact import TOP_CANDIDATES
 
-from .cpu_rule import each_row
+from .cpu_rule import each_row, per_vocabulary
 
 
+@per_vocabulary
 def top_candidates(v: tirx.PrimExpr, width: int = TOP_CANDIDATES) -> tirx.PrimFunc:
     """x [n, v] float32 -> the indices of each row's ``width`` largest values [n, width] int32,
     in the order of a stable descending sort; -1 past the row's end where ``v < width``."""
