@@ -15,8 +15,9 @@ import pytest
 import tvm
 from compiled_sampling import cpu_sampler
 from sampling_oracle import probs_from_logits, sample_from_probs
+from tvm import tirx
 
-from mlc_spec.compiler.cpu_probs import LANES
+from mlc_spec.compiler.cpu_probs import LANES, probs_rows
 from mlc_spec.compiler.cpu_sample import BLOCK
 from mlc_spec.runtime.params import SamplingParams
 
@@ -87,3 +88,14 @@ def test_draws_match_the_oracle_away_from_rounding(v: int) -> None:
     for i in (0, 7, 600):
         alone = sampler.sample(tvm.runtime.tensor(probs[i : i + 1]), u[i : i + 1])
         assert alone[0] == tokens[i]
+
+
+def test_row_kernels_are_built_once_per_fixed_vocabulary():
+    """A fixed vocabulary's kernel is parsed once and shared; another size or type, or a
+    symbolic vocabulary, gets its own."""
+    kernel = probs_rows(tirx.const(300, "int64"))
+    assert kernel.same_as(probs_rows(tirx.const(300, "int64")))
+    assert not kernel.same_as(probs_rows(tirx.const(301, "int64")))
+    assert not kernel.same_as(probs_rows(tirx.const(300, "int32")))
+    v = tirx.Var("v", "int64")
+    assert not probs_rows(v).same_as(probs_rows(v))
