@@ -13,7 +13,14 @@ from ..model import Model
 from ..request import Sequence
 from ..sampler import DraftProbs
 from ..speculation import DraftCosts
-from ..speculation.warm_up import CATCH_UP_STRIDE, record, sizes, spread, time_passes
+from ..speculation.warm_up import (
+    CATCH_UP_STRIDE,
+    LARGEST_CATCH_UP,
+    record,
+    sizes,
+    spread,
+    time_passes,
+)
 from ..structured_output import unconstrained
 from .base import Proposal, Proposer
 
@@ -64,12 +71,14 @@ class DraftModelProposer(Proposer):
 
     def warm_up(self, max_rows: int) -> None:
         """First passes of 1..2 x max_rows tokens (a pending token, maybe a backfill, per row),
-        one sequence's catch-ups up to a prefill chunk, and further passes of 1..max_rows rows
+        one sequence's catch-ups up to ``LARGEST_CATCH_UP`` tokens (or a prefill chunk), and
+        further passes of 1..max_rows rows
         (``sizes`` of each). The catch-ups are measured, not extrapolated from the steady
         passes: a small pass costs far more per token, and the policy weighs a catch-up against
         what drafting gains over the rest of a reply."""
         firsts = [spread(n, 2) for n in sizes(1, 2 * max_rows)]
-        firsts += [[n] for n in range(CATCH_UP_STRIDE, self.chunk_size + 1, CATCH_UP_STRIDE)]
+        largest = min(self.chunk_size, LARGEST_CATCH_UP)
+        firsts += [[n] for n in range(CATCH_UP_STRIDE, largest + 1, CATCH_UP_STRIDE)]
         record(self.costs.first, map(sum, firsts), self._time("prefill", firsts))
         nexts = [[1] * rows for rows in sizes(1, max_rows)]
         record(self.costs.next, map(len, nexts), self._time("decode", nexts))
