@@ -55,6 +55,12 @@ class PagedKVCache(Protocol):
         """``child`` shares ``parent``'s first ``fork_pos`` tokens (all with -1)."""
         ...
 
+    def copy_sequence(self, parent: int, child: int) -> bool:
+        """Add ``child`` holding a copy of ``parent``'s K/V in pages of its own, for timing
+        passes over many sequences' contexts without prefilling each; False (nothing added)
+        where the cache cannot copy pages."""
+        ...
+
     def popn(self, seq_id: int, n: int) -> None:
         """Drop the last ``n`` tokens of a sequence (rejected drafts)."""
         ...
@@ -178,6 +184,15 @@ class PagePool:
         shared = source.pages[: -(-length // self.page_size)]
         self._refs[shared] += 1
         self._seqs[child] = _Sequence(list(shared), length)
+
+    def copy_sequence(self, parent: int, child: int) -> bool:
+        source = self._seq(parent)
+        self.add_sequence(child)
+        copy = self._seqs[child]
+        self._reserve(copy, source.length)
+        self._view[:, copy.pages] = self._view[:, source.pages]
+        copy.length = source.length
+        return True
 
     def popn(self, seq_id: int, n: int) -> None:
         seq = self._seq(seq_id)
@@ -324,6 +339,9 @@ class TVMKVCache:
 
     def fork_sequence(self, parent: int, child: int, fork_pos: int = -1) -> None:
         self._f["kv_state_fork_sequence"](self.handle, parent, child, fork_pos)
+
+    def copy_sequence(self, parent: int, child: int) -> bool:
+        return False  # TVM's cache only forks, sharing the pages
 
     def popn(self, seq_id: int, n: int) -> None:
         if n:

@@ -95,6 +95,26 @@ def test_fork_shares_pages_and_copies_the_one_written():
     assert pool.available_pages() == 8
 
 
+def test_copy_holds_the_parents_bytes_in_pages_of_its_own():
+    pool = _pool()
+    view = np.from_dlpack(pool.pages)
+    pool.add_sequence(0)
+    _tables(pool, [0], [20])  # pages a (full) and b (4 tokens)
+    parent = pool._seqs[0].pages
+    view[:, parent] = np.arange(2 * 2 * 2 * PAGE * 4, dtype=np.float32).reshape(2, 2, 2, 1, -1)
+    free = pool.available_pages()
+    assert pool.copy_sequence(0, 1)
+    copy = pool._seqs[1].pages
+    assert pool.sequence_length(1) == 20 and pool.available_pages() == free - 2
+    assert not set(copy) & set(parent)
+    np.testing.assert_array_equal(view[:, copy], view[:, parent])
+    *_, page_values = _tables(pool, [1], [1])  # the copy writes into its own last page
+    np.testing.assert_array_equal(page_values, copy)
+    pool.remove_sequence(0)
+    pool.remove_sequence(1)
+    assert pool.available_pages() == 8
+
+
 def test_fork_at_a_position_and_rollback():
     pool = _pool()
     pool.add_sequence(0)

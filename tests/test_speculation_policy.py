@@ -638,6 +638,9 @@ class _Cache:
     def sequence_length(self, seq_id: int) -> int:
         return 0
 
+    def copy_sequence(self, parent: int, child: int) -> bool:
+        return False
+
 
 class _LoadedModel:
     """Every pass takes 10 ms per row, plus 100 ms while a burst of other load lasts (its
