@@ -72,10 +72,9 @@ class DraftModelProposer(Proposer):
     def warm_up(self, max_rows: int) -> None:
         """First passes of 1..2 x max_rows tokens (a pending token, maybe a backfill, per row),
         one sequence's catch-ups up to ``LARGEST_CATCH_UP`` tokens (or a prefill chunk), and
-        further passes of 1..max_rows rows
-        (``sizes`` of each). The catch-ups are measured, not extrapolated from the steady
-        passes: a small pass costs far more per token, and the policy weighs a catch-up against
-        what drafting gains over the rest of a reply."""
+        further passes of 1..max_rows rows (``sizes`` of each). The catch-ups are measured, not
+        extrapolated from the steady passes: a small pass costs far more per token, and the
+        policy weighs a catch-up against what drafting gains over the rest of a reply."""
         firsts = [spread(n, 2) for n in sizes(1, 2 * max_rows)]
         largest = min(self.chunk_size, LARGEST_CATCH_UP)
         firsts += [[n] for n in range(CATCH_UP_STRIDE, largest + 1, CATCH_UP_STRIDE)]

@@ -69,9 +69,9 @@ def attention_costs(
     decode rows, and a verify of ``width`` tokens of one sequence against one token, each timed
     at ``REFERENCE_CONTEXT`` and at up to ``LONG_CONTEXT`` tokens per sequence (what the cache
     holds); none where it holds too little to tell. The same sequences serve both functions and
-    grow from one context to the other, so each context token is prefilled once (4.9 of the
-    10.3 s that four sets of sequences took on Qwen2.5-1.5B at batch 1). The reference passes
-    are timed again, right beside the long ones, though the tables hold them: a difference of
+    grow from one context to the other, so that each context token is prefilled once (four sets
+    of sequences took 10.3 s of Qwen2.5-1.5B's load at batch 1). The reference passes are
+    timed again, right beside the long ones, though the tables hold them: a difference of
     passes timed seconds apart drifted with the host (the draft rate of SmolLM2 int8 ranged
     0.06-1.5 us over three loads, against 0.5-0.9 paired)."""
     long = min(LONG_CONTEXT, (kv.available_pages() // rows - 1) * kv.page_size)
