@@ -77,20 +77,22 @@ def attention_costs(
     long = min(LONG_CONTEXT, (kv.available_pages() // rows - 1) * kv.page_size)
     if long < 4 * REFERENCE_CONTEXT or width < 2:
         return Attention()
-    passes = {"decode": [[1] * rows], "evaluate_multi_query": [[1], [width]]}
-    timed: dict[int, dict[str, list[float | None]]] = {}
+    functions = (("decode", [[1] * rows]), ("evaluate_multi_query", [[1], [width]]))
+    timed = []  # per context, per function, per pass
     with _sequences(kv, rows) as ids:
         for context in (REFERENCE_CONTEXT, long):
             _grow(model, kv, ids, context, chunk_size)
-            timed[context] = {f: _sweeps(model, kv, f, p, ids) for f, p in passes.items()}
-    near, far = timed[REFERENCE_CONTEXT], timed[long]
-    if any(None in times for times in (*near.values(), *far.values())):
+            timed.append([_sweeps(model, kv, f, passes, ids) for f, passes in functions])
+    if any(None in times for at_context in timed for times in at_context):
         return Attention()
+    (near_decode, near_verify), (far_decode, far_verify) = timed
     beyond = long - REFERENCE_CONTEXT
-    decode, verify = (
-        [max(0.0, f - n) / beyond for n, f in zip(near[name], far[name], strict=True)]
-        for name in passes
-    )
+
+    def added(near: list[float], far: list[float]) -> list[float]:
+        """Per pass: seconds per token of context beyond the reference."""
+        return [max(0.0, f - n) / beyond for n, f in zip(near, far, strict=True)]
+
+    decode, verify = added(near_decode, far_decode), added(near_verify, far_verify)
     return Attention(decode[0] / rows, max(0.0, verify[1] - verify[0]) / (width - 1))
 
 
