@@ -61,6 +61,14 @@ class PagedKVCache(Protocol):
         where the cache cannot copy pages."""
         ...
 
+    def repeat_sequence(self, seq_id: int, length: int) -> bool:
+        """Grow ``seq_id`` to ``length`` tokens whose K/V repeat its whole pages in turn, in
+        pages of its own (the tokens past its last whole page become copies too), for timing
+        passes over a long context without prefilling it: attention reads as many keys
+        whatever they hold. False (nothing changed) where the cache cannot copy pages or the
+        sequence holds no whole page."""
+        ...
+
     def popn(self, seq_id: int, n: int) -> None:
         """Drop the last ``n`` tokens of a sequence (rejected drafts)."""
         ...
@@ -192,6 +200,20 @@ class PagePool:
         self._reserve(copy, source.length)
         self._view[:, copy.pages] = self._view[:, source.pages]
         copy.length = source.length
+        return True
+
+    def repeat_sequence(self, seq_id: int, length: int) -> bool:
+        seq = self._seq(seq_id)
+        whole = seq.length // self.page_size
+        if whole == 0:
+            return False
+        if length > seq.length:
+            self._reserve(seq, length)
+            copies = range(whole, len(seq.pages))
+            self._view[:, [seq.pages[i] for i in copies]] = self._view[
+                :, [seq.pages[i % whole] for i in copies]
+            ]
+            seq.length = length
         return True
 
     def popn(self, seq_id: int, n: int) -> None:
@@ -342,6 +364,9 @@ class TVMKVCache:
 
     def copy_sequence(self, parent: int, child: int) -> bool:
         return False  # TVM's cache only forks, sharing the pages
+
+    def repeat_sequence(self, seq_id: int, length: int) -> bool:
+        return False
 
     def popn(self, seq_id: int, n: int) -> None:
         if n:

@@ -22,6 +22,7 @@ from mlc_spec.runtime.speculation import Attention, warm_up
 from mlc_spec.runtime.speculation.costs import REFERENCE_CONTEXT, STALE_AFTER
 from mlc_spec.runtime.speculation.policy import REFRESH_BELOW
 from mlc_spec.runtime.speculation.warm_up import CATCH_UP_STRIDE, LONG_CONTEXT
+from mlc_spec.runtime.speculation.warm_up import _prefill as prefill
 from mlc_spec.runtime.speculation.warm_up import _sweeps as sweeps
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -146,13 +147,19 @@ def test_pinned_k_is_capped_by_the_engine_maximum(tiny_llama, tiny_llama_draft):
 def test_automatic_k_reports_its_decisions(tiny_llama, reference, monkeypatch):
     """Self-drafting accepts everything; whatever the policy picks, greedy output is the
     target's and every step's choice, estimate and predicted/measured time is reported."""
-    timed = []
+    timed, prefilled = [], []
 
     def recording(model, kv, function, passes, ids):
         timed.append((function, kv.sequence_length(ids[0])))
         return sweeps(model, kv, function, passes, ids)
 
+    def prefilling(model, kv, ids, context, chunk_size):
+        nonlocal prefilled
+        prefilled += [context for i in ids if kv.sequence_length(i) < context]
+        prefill(model, kv, ids, context, chunk_size)
+
     monkeypatch.setattr(warm_up, "_sweeps", recording)
+    monkeypatch.setattr(warm_up, "_prefill", prefilling)
     llm = LLM(tiny_llama.artifact, draft_model=tiny_llama.artifact)  # automatic by default
     outputs = llm.generate(_prompts(), GREEDY)
     assert _ids(outputs) == reference
@@ -166,6 +173,7 @@ def test_automatic_k_reports_its_decisions(tiny_llama, reference, monkeypatch):
     assert CATCH_UP_STRIDE in spec["costs"]["draft_first_pass_by_tokens"]
     for function in ("decode", "evaluate_multi_query"):
         assert {(function, REFERENCE_CONTEXT), (function, LONG_CONTEXT)} <= set(timed)
+    assert LONG_CONTEXT not in prefilled  # the reference context's pages repeated instead
     assert min(spec["costs"]["attention_per_context_token"].values()) >= 0
     assert spec["measured_seconds"] > 0 and spec["predicted_seconds"] > 0
     step = spec["recent"][-1]

@@ -115,6 +115,33 @@ def test_copy_holds_the_parents_bytes_in_pages_of_its_own():
     assert pool.available_pages() == 8
 
 
+def test_repeat_fills_a_longer_context_with_copies_of_whole_pages():
+    """Pages a, b (full) and c (4 tokens), forked to a second sequence: grown to 70 tokens,
+    c and two new pages repeat a, b, a, b in turn; the shared a and b stay as they were."""
+    pool = _pool()
+    view = np.from_dlpack(pool.pages)
+    pool.add_sequence(0)
+    _tables(pool, [0], [36])
+    a, b, c = pool._seqs[0].pages
+    view[:, [a, b, c]] = np.arange(3 * 2 * 2 * PAGE * 4, dtype=np.float32).reshape(2, 3, 2, 1, -1)
+    before = view[:, [a, b]].copy()
+    pool.fork_sequence(0, 1)
+    assert pool.repeat_sequence(1, 70)
+    pages = pool._seqs[1].pages
+    assert pool.sequence_length(1) == 70 and len(pages) == 5 and pages[:2] == [a, b]
+    assert not set(pages[2:]) & {a, b, c}  # c was shared: the copy writes a page of its own
+    np.testing.assert_array_equal(view[:, pages], before[:, [0, 1, 0, 1, 0]])
+    np.testing.assert_array_equal(view[:, [a, b]], before)
+    assert pool.repeat_sequence(1, 40) and pool.sequence_length(1) == 70  # never shrinks
+    pool.add_sequence(2)
+    _tables(pool, [2], [15])
+    assert not pool.repeat_sequence(2, 64)  # no whole page to repeat
+    assert pool.sequence_length(2) == 15
+    for seq_id in (0, 1, 2):
+        pool.remove_sequence(seq_id)
+    assert pool.available_pages() == 8
+
+
 def test_fork_at_a_position_and_rollback():
     pool = _pool()
     pool.add_sequence(0)

@@ -641,6 +641,9 @@ class _Cache:
     def copy_sequence(self, parent: int, child: int) -> bool:
         return False
 
+    def repeat_sequence(self, seq_id: int, length: int) -> bool:
+        return False
+
 
 class _LoadedModel:
     """Every pass takes 10 ms per row, plus 100 ms while a burst of other load lasts (its

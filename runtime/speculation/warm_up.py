@@ -69,8 +69,9 @@ def attention_costs(
     decode rows, and a verify of ``width`` tokens of one sequence against one token, each timed
     at ``REFERENCE_CONTEXT`` and at up to ``LONG_CONTEXT`` tokens per sequence (what the cache
     holds); none where it holds too little to tell. The same sequences serve both functions and
-    grow from one context to the other, so that each context token is prefilled once (four sets
-    of sequences took 10.3 s of Qwen2.5-1.5B's load at batch 1). The reference passes are
+    grow from one context to the other (``_grow``: on the CPU the long context repeats the
+    reference one's pages; four sets of prefilled sequences took 10.3 s of Qwen2.5-1.5B's load
+    at batch 1). The reference passes are
     timed again, right beside the long ones, though the tables hold them: a difference of
     passes timed seconds apart drifted with the host (the draft rate of SmolLM2 int8 ranged
     0.06-1.5 us over three loads, against 0.5-0.9 paired)."""
@@ -116,15 +117,17 @@ def _sequences(kv: PagedKVCache, n: int) -> Iterator[list[int]]:
 
 
 def _grow(model: Model, kv: PagedKVCache, ids: list[int], context: int, chunk_size: int) -> None:
-    """Each sequence up to ``context`` tokens: the first prefilled, the others copies of its
-    pages where the cache can copy (each row still reads pages of its own, as distinct
-    contexts are read; prefilling a server's 8 rows of 512 tokens took 43 s of Qwen2.5-1.5B's
-    load), else prefilled too."""
-    _prefill(model, kv, ids[:1], context, chunk_size)
-    behind = [seq_id for seq_id in ids[1:] if kv.sequence_length(seq_id) < context]
+    """Each sequence up to ``context`` tokens where the cache can copy pages: the first's whole
+    pages repeated (prefilled while it holds none), the others copies of its pages, so each row
+    still reads pages of its own, as distinct contexts are read (prefilling 480 more tokens took
+    ~5 s of Qwen2.5-1.5B's load, prefilling each of a server's 8 rows 43 s); else each
+    prefilled."""
+    first, behind = ids[0], [seq_id for seq_id in ids[1:] if kv.sequence_length(seq_id) < context]
+    if not kv.repeat_sequence(first, context):
+        _prefill(model, kv, [first], context, chunk_size)
     for seq_id in behind:
         kv.remove_sequence(seq_id)
-        if not kv.copy_sequence(ids[0], seq_id):
+        if not kv.copy_sequence(first, seq_id):
             kv.add_sequence(seq_id)
     _prefill(model, kv, behind, context, chunk_size)
 
