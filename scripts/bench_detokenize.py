@@ -8,7 +8,9 @@ string that never matches (its check is part of the cost). The shorter outputs a
 consecutive pieces of the longest, so every length streams the same text. Incremental should
 be flat in the output's length; re-decoding grows with it.
 
-    python scripts/bench_detokenize.py [--models smollm2-135m-instruct ...] [--write PATH]
+    python scripts/bench_detokenize.py [--models smollm2-135m-instruct ...]
+
+It prints its table; docs/benchmarks-features.md quotes the figures that stand.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import tokenizers
 import transformers
-from benchdoc import machine_context, publish, start_load
+from benchdoc import machine_context, start_load
 from workloads import humaneval_prompts, sharegpt_turns
 
 from mlc_spec.compiler.pypi_models import fetch
@@ -30,7 +32,6 @@ from mlc_spec.runtime.metrics import SpecStats
 from mlc_spec.runtime.output_processor import OutputProcessor, SequenceOutput
 from mlc_spec.runtime.tokenizer import Tokenizer
 
-SECTION = "bench_detokenize"
 MULTILINGUAL = "Hello, 世界! 😀👍🏽 naïve café, 日本語のテキスト, Ελληνικά, العربية. "
 STOP = "\x00never"  # a stop string the text does not contain: checked at every step
 
@@ -97,7 +98,6 @@ def main() -> None:
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[100, 2000])
     parser.add_argument("--repeats", type=int, default=10, help="best of this many runs")
-    parser.add_argument("--write", type=Path, help="replace this benchmark's section of this file")
     args = parser.parse_args()
     load = start_load()  # before we add our own
 
@@ -164,8 +164,7 @@ def main() -> None:
             + " | ".join(f"{full:.1f}" for _, full in times)
             + " |"
         )
-    section = "\n".join(lines)
-    publish(section, args.write, SECTION)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
