@@ -50,9 +50,11 @@ def compile_model(
     output: str | Path,
     options: CompileOptions = _DEFAULTS,
     show_progress: bool = True,
+    label: str = "",
 ) -> Path:
     """Compile ``model`` (Hugging Face directory or GGUF file) for ``target`` into the artifact
-    ``output`` as ``options`` ask (``CompileOptions``, all checked before the model is read).
+    ``output`` as ``options`` ask (``CompileOptions``, all checked before the model is read);
+    ``label`` starts each progress line.
 
     Everything is written into a sibling temporary directory that is renamed at the end, so
     a failure or an interrupt never leaves a half-written artifact behind.
@@ -62,7 +64,7 @@ def compile_model(
         raise CompileError(f"output path {out} already exists")
     options = options.validate(target)
     tvm_target = options.tvm_target(target)
-    progress = Progress(show_progress)
+    progress = Progress(show_progress, label)
 
     with progress.stage(f"reading {model}"):
         source = load_source(model)

@@ -10,8 +10,9 @@ from contextlib import contextmanager
 
 
 class Progress:
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, label: str = ""):
         self.enabled = enabled
+        self.label = f"{label}: " if label else ""  # which compile, where two run at once
         self.live = enabled and sys.stderr.isatty()
         self._start = time.perf_counter()
         self._open_line = False
@@ -19,7 +20,7 @@ class Progress:
     def write(self, text: str) -> None:
         if self.enabled:
             self._end_line()
-            sys.stderr.write(f"[{time.perf_counter() - self._start:6.1f}s] {text}\n")
+            sys.stderr.write(f"[{time.perf_counter() - self._start:6.1f}s] {self.label}{text}\n")
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import time
 import zipfile
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -490,7 +491,7 @@ def test_two_first_runs_side_by_side_compile_a_cached_artifact_once(tmp_path, mo
     from mlc_spec.compiler import cache
     from mlc_spec.compiler.staging import staged
 
-    def compile_model(source, target, out, options, show_progress):
+    def compile_model(source, target, out, options, show_progress, label):
         with staged(out) as staging:
             (tmp_path / f"compiled-by-{os.getpid()}").touch()
             time.sleep(0.5)
@@ -512,3 +513,59 @@ def test_two_first_runs_side_by_side_compile_a_cached_artifact_once(tmp_path, mo
         run.join(30)
     assert [run.exitcode for run in runs] == [0, 0]
     assert len(list(tmp_path.glob("compiled-by-*"))) == 1
+
+
+def test_side_by_side_runs_the_second_job_in_a_process_of_its_own_meanwhile(tmp_path):
+    """The first job waits for a file that only the second creates: it returns only if the
+    second ran while it did, and the second ran in another process."""
+    from mlc_spec.compiler.cache import side_by_side
+
+    flag = tmp_path / "second-ran"
+
+    def wait_for_the_second() -> int:
+        for _ in range(600):
+            if flag.exists():
+                return os.getpid()
+            time.sleep(0.1)
+        raise AssertionError("the second job did not run beside the first")
+
+    here, (touched, there) = side_by_side(
+        wait_for_the_second, partial(_touch_and_pid, flag), apart=True
+    )
+    assert here == os.getpid() and there != here and touched
+    assert side_by_side(os.getpid, os.getpid, apart=False) == (os.getpid(), os.getpid())
+
+
+def _touch_and_pid(path: Path) -> tuple[bool, int]:
+    path.touch()
+    return True, os.getpid()
+
+
+def test_a_pair_compiles_side_by_side_only_where_both_are_missing_and_there_are_two_cores(
+    tmp_path, monkeypatch
+):
+    from mlc_spec.compiler import cache
+
+    artifacts = tmp_path / "artifacts"
+    monkeypatch.setattr(cache, "artifacts_dir", lambda: artifacts)
+    asked = []
+
+    def side_by_side(first, second, apart):
+        asked.append(apart)
+        return first(), second()
+
+    monkeypatch.setattr(cache, "side_by_side", side_by_side)
+    monkeypatch.setattr(cache, "compile_model", lambda *args, **kwargs: args[2].mkdir(parents=True))
+    monkeypatch.setattr(cache, "fetch", lambda name: tmp_path / f"{name}.gguf")
+    name = "qwen2.5-coder-1.5b-instruct"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    target, draft = cache.compiled_with_draft(name, show_progress=False)  # one core
+    assert target.exists() and draft.exists() and "qwen2.5-coder-0.5b" in draft.name
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    cache.compiled_with_draft(name, show_progress=False)  # both cached
+    for gone in ([target], [draft], [target, draft]):
+        for artifact in gone:
+            artifact.rmdir()
+        assert cache.compiled_with_draft(name, show_progress=False) == (target, draft)
+    assert asked == [False, False, False, False, True]  # 1 core, cached, 1 missing, 1, both
+    assert cache.compiled_with_draft("smollm2-135m-instruct", show_progress=False)[1] is None
