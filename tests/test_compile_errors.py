@@ -357,3 +357,36 @@ def test_native_target_drops_extensions_the_cpu_does_not_report(tmp_path, flags,
     target = host_target(host, cpuinfo)
     assert vector_features(target) == sorted(features.split())
     assert cpu_name(target) == name
+
+
+def test_weights_convert_while_tvm_compiles_and_a_failed_build_stops_them(
+    checkpoint, tmp_path, monkeypatch
+):
+    """The build waits until the weights have started converting (it would wait forever were
+    they converted first); when it then fails, the conversion stops at its next weight, and
+    nothing is left behind."""
+    import threading
+
+    from mlc_spec.compiler import compile as compiling
+    from mlc_spec.compiler.errors import CompileError
+
+    started, converted = threading.Event(), []
+    convert = compiling.convert_parameters
+
+    def converting(*args):
+        for item in convert(*args):
+            started.set()
+            converted.append(item[0])
+            time.sleep(0.2)
+            yield item
+
+    def failing_build(*args):
+        assert started.wait(60), "the build ran before the weights started converting"
+        raise CompileError("TVM failed to compile for llvm: a test's failure")
+
+    monkeypatch.setattr(compiling, "convert_parameters", converting)
+    monkeypatch.setattr(compiling, "_build", failing_build)
+    with pytest.raises(CompileError, match="a test's failure"):
+        compiling.compile_model(checkpoint, "llvm", tmp_path / "out", show_progress=False)
+    assert 1 <= len(converted) <= 2  # of the tiny model's 21 tensors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
