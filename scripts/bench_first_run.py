@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GOAL_SECONDS = 8 * 60
 # generate's last line: "[model: N tokens in S s, R tok/s; speculation: M, acceptance A%, ...]"
 STATS = re.compile(r"^\[(?P<model>[^:]+): (?P<tokens>\d+) tokens in (?P<seconds>[\d.]+)s, .*\]$")
-WROTE = re.compile(r"^\[\s*(?P<seconds>[\d.]+)s\] wrote ")
+# a compile's last line: "[  S s] wrote PATH", the model's name before "wrote" on first use
+WROTE = re.compile(r"^\[\s*(?P<seconds>[\d.]+)s\] (?:\S+: )?wrote ")
 
 
 def readme_command() -> str:
@@ -86,7 +87,8 @@ def main() -> None:
         "|---|---:|---|",
         f"| install | {installed:.0f} | `{install}` |",
         f"| first generate | {first:.0f} | both GGUFs from PyPI, compiled in "
-        f"{' + '.join(f'{s:.0f}' for s in compiles)} s, then: `{stats(first_log)[0]}` |",
+        f"{' and '.join(f'{s:.0f}' for s in compiles)} s (side by side where there are two "
+        f"cores), then: `{stats(first_log)[0]}` |",
         f"| second generate | {second:.0f} | {startup:.0f} s before generating (imports, "
         f"loading, the cost warm-up), then: `{again[0]}` |",
         "",
