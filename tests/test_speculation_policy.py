@@ -146,6 +146,19 @@ def test_a_prompt_chunk_riding_in_the_pass_is_priced_with_the_drafts():
     assert decision.num_draft == [0] * 4
 
 
+def test_a_riding_chunk_does_not_make_drafts_look_cheaper():
+    """A pass costs 4 ms plus 1 ms a token. At 2 rows and acceptance 0.3 a draft adds 0.3
+    tokens for 1 ms, less than the plain step's 2 tokens in 6 ms; a 20-token chunk in the pass
+    must not change that (charged to the tokens, its 20 ms made the draft look 10% better than
+    plain), nor keep drafts that pay from being taken."""
+    linear = costs(lambda n: 0.004 + 0.001 * n, lambda n: 0.004 + 0.001 * n)
+    policy = GoodputPolicy()
+    assert policy.choose(batch([0.3] * 2), linear, chunk=20).num_draft == [0, 0]
+    paying = policy.choose(batch([0.9] * 2), linear).num_draft
+    assert min(paying) > 0
+    assert policy.choose(batch([0.9] * 2), linear, chunk=20).num_draft == paying
+
+
 def test_the_search_finds_the_best_drafts_on_any_rising_cost():
     """With a free proposer and costs by pass size, the best drafts for a total are the likeliest
     ones, so the search matches brute force over every k per sequence; it stops early only where
