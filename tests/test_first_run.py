@@ -110,6 +110,8 @@ def test_a_model_name_brings_its_draft(tiny_llama, tiny_llama_draft, monkeypatch
         return (tiny_llama_draft if name == draft else tiny_llama).artifact
 
     monkeypatch.setattr(cache, "compiled", compiled)
+    # Here, not in a spawned process (which would compile the real draft).
+    monkeypatch.setattr(cache, "side_by_side", lambda first, second, apart: (first(), second()))
     argv = ["generate", "--max-tokens", "2", "w5 w9"]
     assert main(argv) == 0  # the default model: the Qwen pair
     assert [name for name, _ in built] == [target, draft]
