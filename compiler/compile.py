@@ -39,7 +39,7 @@ from .quantization.plan import Quantize, layer_layouts, plan_quantization, requa
 from .sampler import attach_sampler
 from .sampling_defaults import sampling_defaults
 from .sources import ModelSource, load_source
-from .staging import staged
+from .staging import interrupted, staged
 from .targets import vector_features
 from .truncate import first_layers
 
@@ -251,6 +251,8 @@ def _build(
         )
         sampler.export_library(str(staging / SAMPLER_LIBRARY_FILE))
     except Exception as err:  # noqa: BLE001 - TVM raises many types
+        if (signalled := interrupted()) is not None:
+            raise signalled from None  # Ctrl-C or SIGTERM, which TVM made a RuntimeError
         last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CompileError(f"TVM failed to compile for {target}: {last}") from None
 

@@ -46,19 +46,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# The exceptions that signals raised inside ``staged``, newest last. TVM hands an exception
+# raised in one of its callbacks back as a RuntimeError of its own, so code that catches TVM's
+# errors asks here whether they were an interrupt (``interrupted``).
+_raised: list[BaseException] = []
+
+
+def interrupted() -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that Ctrl-C or SIGTERM raised inside ``staged``,
+    if one did: to be raised again in place of the error TVM made of it."""
+    return _raised[-1] if _raised else None
+
+
 @contextlib.contextmanager
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM raises SystemExit here (as Ctrl-C raises KeyboardInterrupt), so the cleanup
-    runs; Python handles signals in the main thread only, elsewhere nothing changes."""
+    runs; both are recorded for ``interrupted``. Python handles signals in the main thread
+    only; elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
+        _raised.append(SystemExit(128 + signum))
+        raise _raised[-1]
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    def interrupt(_signum: int, _frame: object) -> None:
+        _raised.append(KeyboardInterrupt())
+        raise _raised[-1]
+
+    _raised.clear()
+    previous = signal.signal(signal.SIGTERM, terminate), signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+        _raised.clear()

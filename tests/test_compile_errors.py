@@ -390,3 +390,28 @@ def test_weights_convert_while_tvm_compiles_and_a_failed_build_stops_them(
         compiling.compile_model(checkpoint, "llvm", tmp_path / "out", show_progress=False)
     assert 1 <= len(converted) <= 2  # of the tiny model's 21 tensors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize(
+    ("signum", "raised"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)]
+)
+def test_a_signal_during_tvms_build_stops_the_compile_as_itself(
+    signum, raised, checkpoint, tmp_path, monkeypatch
+):
+    """TVM hands an exception raised in its callbacks back as a RuntimeError: Ctrl-C or
+    SIGTERM while it builds still ends the compile as an interrupt (exit 130 or 143), not as a
+    compile error, and leaves nothing behind."""
+    from mlc_spec.compiler import compile as compiling
+
+    def interrupted_build(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(5)
+        except BaseException as err:  # what TVM's FFI does with it
+            raise RuntimeError(str(err)) from None
+        raise AssertionError("no signal arrived")
+
+    monkeypatch.setattr(compiling.tvm, "compile", interrupted_build)
+    with pytest.raises(raised):
+        compiling.compile_model(checkpoint, "llvm", tmp_path / "out", show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
