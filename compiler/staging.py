@@ -27,7 +27,7 @@ def staged(out: Path) -> Iterator[Path]:
     staging = out.parent / f"{prefix}{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    with _terminate_as_exit():
+    with _interrupts_recorded():
         try:
             yield staging
             staging.rename(out)
@@ -59,7 +59,7 @@ def interrupted() -> BaseException | None:
 
 
 @contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
+def _interrupts_recorded() -> Iterator[None]:
     """SIGTERM raises SystemExit here (as Ctrl-C raises KeyboardInterrupt), so the cleanup
     runs; both are recorded for ``interrupted``. Python handles signals in the main thread
     only; elsewhere nothing changes."""
