@@ -158,8 +158,9 @@ class GoodputPolicy:
         whole = sum(once[i] for i in drafting)  # paid in this step
         step = costs.predict(shape)
         # A riding chunk's price beside the plain step is the chunk's, not the tokens': charged
-        # to them, it dilutes what drafts add (SmolLM2 int8, ShareGPT at 4 streams: drafts
-        # beside 7-13-token chunks at 1-2 rows cost ~0.2 s for 47 tokens, 0.93x no speculation).
+        # to them, it dilutes what drafts add, and drafts that cost more per token than plain
+        # decoding look like a gain (SmolLM2 int8, ShareGPT at 4 streams: 43-48 steps drafted
+        # beside 7-13-token chunks at 1-2 rows).
         riding = 0.0
         if chunk and step is not None:
             alone = costs.predict(dataclasses.replace(shape, chunk=0))

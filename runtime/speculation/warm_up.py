@@ -71,10 +71,9 @@ def attention_costs(
     holds); none where it holds too little to tell. The same sequences serve both functions and
     grow from one context to the other (``_grow``: on the CPU the long context repeats the
     reference one's pages; four sets of prefilled sequences took 10.3 s of Qwen2.5-1.5B's load
-    at batch 1). The reference passes are
-    timed again, right beside the long ones, though the tables hold them: a difference of
-    passes timed seconds apart drifted with the host (the draft rate of SmolLM2 int8 ranged
-    0.06-1.5 us over three loads, against 0.5-0.9 paired)."""
+    at batch 1). The reference passes are timed again, right beside the long ones, though the
+    tables hold them: a difference of passes timed seconds apart drifted with the host (the
+    draft rate of SmolLM2 int8 ranged 0.06-1.5 us over three loads, against 0.5-0.9 paired)."""
     long = min(LONG_CONTEXT, (kv.available_pages() // rows - 1) * kv.page_size)
     if long < 4 * REFERENCE_CONTEXT or width < 2:
         return Attention()
