@@ -82,7 +82,8 @@ HEADLINE = Page(
 
 mlc-spec against llama.cpp and llama-server on the CPU, written by `scripts/` (laid out by
 `benchdoc.py`; nothing is edited by hand): per model, configuration and CPU class (`amd-avx512`:
-Zen 4; `amd-avx2`: AVX2-only EPYC; `intel-avx512`: Xeon), newest first, each with its command.
+Zen 4; `amd-avx512-zen5`; `amd-avx2`: AVX2-only EPYC; `intel-avx512`: Xeon), newest first, each
+with its command.
 Serving against llama-server: [benchmarks-serving.md](benchmarks-serving.md); serving features:
 [benchmarks-features.md](benchmarks-features.md); the CUDA path on a lent GPU:
 [benchmarks-gpu.md](benchmarks-gpu.md).
@@ -305,12 +306,15 @@ def lscpu_fields() -> dict[str, str]:
 def cpu_class() -> str:
     """A short label for the class of this CPU, which keys the page's tables: the figures of an
     AVX-512 Xeon, a Zen 4 and an AVX2-only EPYC differ by more than any change being judged.
-    Vendor and widest vector ISA, e.g. ``amd-avx512``, ``amd-avx2``, ``intel-avx512``."""
+    Vendor and widest vector ISA, e.g. ``amd-avx512``, ``amd-avx2``, ``intel-avx512``; Zen 5
+    (AMD family 26, one cycle per 512-bit operation where Zen 4 takes two) is
+    ``amd-avx512-zen5``, as all of them present themselves as plain "AMD EPYC" here."""
     cpu = lscpu_fields()
     flags = set(cpu.get("Flags", "").split())
     vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(cpu.get("Vendor ID", ""), "cpu")
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "x86"
-    return f"{vendor}-{isa}"
+    zen5 = vendor == "amd" and isa == "avx512" and cpu.get("CPU family") == "26"
+    return f"{vendor}-{isa}" + ("-zen5" if zen5 else "")
 
 
 def commit() -> str:
@@ -341,7 +345,8 @@ def machine_context(load: StartLoad, software: str, threads: str) -> list[str]:
     during = load.other_work() if load.wall else 0.0
     lines = [
         f"- Date: {date.strip()}; commit {commit()}",
-        f"- Machine: `{cpu['Model name']}` (lscpu model name, class `{cpu_class()}`), {cores} "
+        f"- Machine: `{cpu['Model name']}` (lscpu model name, CPU family {cpu.get('CPU family')}, "
+        f"class `{cpu_class()}`), {cores} "
         f"cores, no GPU; vector flags {' '.join(vector)}; other work kept "
         f"{load.busy_cores:.2f} cores busy in the second before the run and {during:.2f} on "
         f"average during it (1-minute load average {load.load_average:.2f} at the start)",

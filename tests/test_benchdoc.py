@@ -81,3 +81,18 @@ def test_another_document_keeps_its_text(pages, tmp_path):
     text = doc.read_text()
     assert text.startswith("# Quantization\n\nprose\n")
     assert "KL again" in text and "KL\n" not in text
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "flags", "label"),
+    [
+        ("AuthenticAMD", "25", "avx2 avx512f", "amd-avx512"),
+        ("AuthenticAMD", "26", "avx2 avx512f", "amd-avx512-zen5"),
+        ("AuthenticAMD", "26", "avx2", "amd-avx2"),
+        ("GenuineIntel", "6", "avx2 avx512f", "intel-avx512"),
+    ],
+)
+def test_the_cpu_class_tells_zen5_from_zen4(monkeypatch, vendor, family, flags, label):
+    fields = {"Vendor ID": vendor, "CPU family": family, "Flags": f"fma {flags}"}
+    monkeypatch.setattr(benchdoc, "lscpu_fields", lambda: fields)
+    assert benchdoc.cpu_class() == label
