@@ -317,13 +317,13 @@ _INTEGER_DOTS = (
 )
 
 
-# AVX-512 VNNI sweeps on CPUs other than AMD's (LLVM names them znver*): all 4 vectors of a
-# panel, in exact passes of up to 9 rows, so that a verify of 8 drafts is one pass rather than
-# an 8-row tile of single vectors plus the rest. On the AVX-512 Xeon measured, a spilled
+# AVX-512 VNNI sweeps on CPUs other than Zen 4 (LLVM's znver4): all 4 vectors of a panel, in
+# exact passes of up to 9 rows, so that a verify of 8 drafts is one pass rather than an 8-row
+# tile of single vectors plus the rest. On the AVX-512 Xeon and Zen 5 measured, a spilled
 # accumulator costs less than a vector decoded again, and with the prefetches and the rows'
 # dots advancing together 4 vectors per sweep stay ahead of 2. Longer passes were faster still
-# but compile time grows superlinearly with the pass (docs/kernels.md). AMD's keep the widths
-# and the 8-row passes measured on Zen 4.
+# but compile time grows superlinearly with the pass (docs/kernels.md). Zen 4, which splits
+# each 512-bit operation in two, keeps the widths and the 8-row passes measured on it.
 _WIDE_SWEEPS = (4,) * 9
 
 
@@ -332,8 +332,8 @@ def integer_dot(target: Target) -> IntegerDot:
     features = set(tvm.target.codegen.llvm_get_cpu_features(target))
     for needs, dot in _INTEGER_DOTS:
         if features.issuperset(needs):
-            amd = str(target.attrs.get("mcpu", "")).startswith("znver")
-            if dot.vnni and dot.lanes == 16 and not amd:
+            double_pumped = str(target.attrs.get("mcpu", "")) == "znver4"
+            if dot.vnni and dot.lanes == 16 and not double_pumped:
                 return replace(dot, widths=_WIDE_SWEEPS, max_rows=len(_WIDE_SWEEPS))
             return dot
     raise CompileError("--activations int8 needs a CPU with AVX2 or newer (see --cpu)")

@@ -203,3 +203,13 @@ def test_integer_dot_instructions_are_emitted(cpu, instruction):
         func = matmul_func(integer_dot(target), fmt, N, K, 64).with_attr("global_symbol", "main")
         asm = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.inspect_source("asm")
         assert instruction in asm, fmt.name
+
+
+@pytest.mark.parametrize(
+    ("cpu", "wide"), [("znver4", False), ("znver5", True), ("icelake-server", True)]
+)
+def test_only_zen4_keeps_the_narrow_avx512_sweeps(cpu, wide):
+    """Zen 4 runs a 512-bit operation in two halves; the Xeon and Zen 5 (full width) take all 4
+    vectors of a panel per sweep, in passes of up to 9 rows (docs/kernels.md)."""
+    dot = integer_dot(make_target("llvm", cpu=cpu))
+    assert dot.vnni and (dot.widths, dot.max_rows) == (((4,) * 9, 9) if wide else ((4, 4, 4, 2), 8))
