@@ -3,6 +3,7 @@ a counter that rewrites itself in place."""
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import time
 from collections.abc import Iterator
@@ -13,7 +14,10 @@ class Progress:
     def __init__(self, enabled: bool = True, label: str = ""):
         self.enabled = enabled
         self.label = f"{label}: " if label else ""  # which compile, where two run at once
-        self.live = enabled and sys.stderr.isatty()
+        # A compile in a child process (a draft compiled beside its target, cache.side_by_side)
+        # shares the terminal: two counters rewriting one line would garble it.
+        in_child = multiprocessing.parent_process() is not None
+        self.live = enabled and sys.stderr.isatty() and not in_child
         self._start = time.perf_counter()
         self._open_line = False
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import multiprocessing
 import os
+import sys
 import time
 import zipfile
 from functools import partial
@@ -539,6 +541,28 @@ def test_side_by_side_runs_the_second_job_in_a_process_of_its_own_meanwhile(tmp_
 def _touch_and_pid(path: Path) -> tuple[bool, int]:
     path.touch()
     return True, os.getpid()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _counts_live() -> bool:
+    """Whether a compile's progress here would rewrite a terminal's line in place."""
+    from mlc_spec.compiler.progress import Progress
+
+    sys.stderr = _Terminal()  # in a spawned child: its own
+    return Progress().live
+
+
+def test_a_compile_beside_another_counts_on_no_shared_terminal_line(monkeypatch):
+    """The draft compiled in a child beside its target writes its stage lines but no live
+    counter: two processes rewriting one terminal line garble it."""
+    from mlc_spec.compiler.cache import side_by_side
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert side_by_side(_counts_live, _counts_live, apart=True) == (True, False)
 
 
 def test_a_pair_compiles_side_by_side_only_where_both_are_missing_and_there_are_two_cores(

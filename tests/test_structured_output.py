@@ -340,16 +340,18 @@ def _rejects(samples: list[tuple[int, ...]], outcomes: dict) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft", "suffix"])
 def test_constrained_sampling_follows_the_masked_target_distribution(
-    smollm2_int8, smollm2, exact, method
+    smollm2_int8, smollm2_first_layers, exact, method
 ):
     """The draft model's drafts are sampled from its own unmasked distribution and verified
     against the masked target rows (rejection sampling is exact for any draft distribution);
     suffix drafts are earlier samples' outputs. Either way the outcomes follow the target's
-    masked law, and speculation both accepted and rejected."""
+    masked law, and speculation both accepted and rejected. The draft is the target's first 12
+    layers: the whole model with float activations drafts so close to its int8 twin that on
+    some CPUs (Zen 5) every draft was accepted and the rejection path went untested."""
     ids, outcomes = exact
     llm = LLM(
         smollm2_int8,
-        draft_model=smollm2 if method == "draft" else None,
+        draft_model=smollm2_first_layers if method == "draft" else None,
         speculative={"method": method, "num_speculative_tokens": 2},
         max_batch_size=64,
     )
