@@ -74,7 +74,7 @@ class Page:
 
 # How keys written by ``cpu_class`` end: one section per CPU class, and no key of the page's
 # earlier layout (keyed by hand, ``-xeon``) falls into a group.
-_CPU = r"-(?:intel|amd|cpu)-(?:avx512|avx2|x86)"
+_CPU = r"-(?:intel|amd|cpu)-(?:avx512|avx2|x86)(?:-zen5)?"
 
 HEADLINE = Page(
     REPO / "docs" / "benchmarks.md",

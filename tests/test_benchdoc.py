@@ -93,6 +93,8 @@ def test_another_document_keeps_its_text(pages, tmp_path):
     ],
 )
 def test_the_cpu_class_tells_zen5_from_zen4(monkeypatch, vendor, family, flags, label):
+    """Each class is a key of its own, and the pages claim the sections of every class."""
     fields = {"Vendor ID": vendor, "CPU family": family, "Flags": f"fma {flags}"}
     monkeypatch.setattr(benchdoc, "lscpu_fields", lambda: fields)
     assert benchdoc.cpu_class() == label
+    assert benchdoc.page_of(f"bench_cpu-smollm2-as-source-int8-{label}") is benchdoc.HEADLINE
