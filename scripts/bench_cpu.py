@@ -59,6 +59,10 @@ MODELS = {
 PROMPT_LEN = 128
 DECODE_STEPS = 32  # decode runs over contexts 128..160
 MULTI_QUERY_KS = (2, 4, 8)
+# Calls per verify size and round, averaged as the decode steps are: one call a round let a
+# single slow call set the round's ratio (Qwen2.5-1.5B on a Zen 5: verify 8 at 1.07-1.80x a
+# decode step over 10 rounds, median 1.52x, while the medians' ratio was 1.22x).
+MULTI_QUERY_CALLS = 8
 # The issue's goals, per model: our decode ms/token over llama.cpp's best, and the verify cost
 # of 8 tokens in our own decode steps.
 DECODE_GOALS = {"smollm2": 0.5}
@@ -173,16 +177,23 @@ def timed_ms(call: Callable[..., object], *args: object) -> float:
 
 def one_round(backend: Backend, prompt: list[int], continuation: list[int]) -> Figures:
     """One sample of each figure: prefill into an empty cache, then decode and multi-query at a
-    context of ``len(prompt)``; rollbacks are untimed and leave the cache empty again."""
+    context of ``len(prompt)`` (means over ``DECODE_STEPS`` steps and ``MULTI_QUERY_CALLS``
+    calls); rollbacks are untimed and leave the cache empty again."""
     prefill_ms = timed_ms(backend.prefill, prompt)
     decode_ms = statistics.fmean(timed_ms(backend.decode, token) for token in continuation)
     backend.rollback(len(continuation))
-    multi_query_ms = {}
-    for k in MULTI_QUERY_KS:
-        multi_query_ms[k] = timed_ms(backend.multi_query, continuation[:k])
-        backend.rollback(k)
+    multi_query_ms = {k: _multi_query_ms(backend, continuation[:k]) for k in MULTI_QUERY_KS}
     backend.rollback(len(prompt))
     return Figures(prefill_ms, decode_ms, multi_query_ms)
+
+
+def _multi_query_ms(backend: Backend, tokens: list[int]) -> float:
+    """Mean ms of ``MULTI_QUERY_CALLS`` multi-query calls of ``tokens``, each rolled back."""
+    calls = []
+    for _ in range(MULTI_QUERY_CALLS):
+        calls.append(timed_ms(backend.multi_query, tokens))
+        backend.rollback(len(tokens))
+    return statistics.fmean(calls)
 
 
 def alternate(
@@ -478,7 +489,8 @@ def report(
             + " (attention ignored).",
             f"- How: mlc-spec's `Model.prefill` / `decode` / `evaluate_multi_query` (logits of "
             f"all K rows) on its paged KV cache, a {PROMPT_LEN}-token English prompt, "
-            f"{DECODE_STEPS} decode steps; llama.cpp `llama-bench -r 1 -fa off|on -p "
+            f"{DECODE_STEPS} decode steps, {MULTI_QUERY_CALLS} calls of each verify size (means); "
+            f"llama.cpp `llama-bench -r 1 -fa off|on -p "
             f"{PROMPT_LEN} -n 0` and `-d {PROMPT_LEN} -n {DECODE_STEPS} -p "
             f"{','.join(map(str, MULTI_QUERY_KS))}` (random token ids; its batches compute only "
             "their last token's logits); peak RSS of a child loading and generating.",
