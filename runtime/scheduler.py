@@ -628,6 +628,10 @@ class Scheduler:
             attended = plan.attended(num_draft)
             self.costs.observe_target(rows, rows + drafted, target_seconds, attended)
         self.costs.per_row.observe((seconds - draft_seconds - target_seconds) / rows)
+        if plan.predicted_seconds is not None and seconds > 0:
+            self.policy.realized.observe(
+                bool(drafted), plan.expected_tokens, emitted, plan.predicted_seconds, seconds
+            )
         names = [
             s.request.request_id if s.params.n == 1 else f"{s.request.request_id}/{s.index}"
             for s in plan.seqs
