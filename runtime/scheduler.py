@@ -629,7 +629,7 @@ class Scheduler:
             self.costs.observe_target(rows, rows + drafted, target_seconds, attended)
         self.costs.per_row.observe((seconds - draft_seconds - target_seconds) / rows)
         if plan.predicted_seconds is not None and seconds > 0:
-            self.policy.realized.observe(
+            self.costs.realized.observe(
                 bool(drafted), plan.expected_tokens, emitted, plan.predicted_seconds, seconds
             )
         names = [

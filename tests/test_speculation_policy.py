@@ -169,12 +169,12 @@ def test_drafts_must_promise_more_where_drafting_steps_made_less_than_predicted(
     cands = batch([0.18] * 8)
     assert any(policy.choose(cands, linear).num_draft)
     for _ in range(100):
-        policy.realized.observe(True, 10.0, 9, 0.010, 0.010)
-        policy.realized.observe(False, 8.0, 8, 0.008, 0.008)
-    assert policy.realized.shrink() == pytest.approx(0.9, abs=0.01)
+        linear.realized.observe(True, 10.0, 9, 0.010, 0.010)
+        linear.realized.observe(False, 8.0, 8, 0.008, 0.008)
+    assert linear.realized.shrink() == pytest.approx(0.9, abs=0.01)
     assert not any(policy.choose(cands, linear).num_draft)
     for _ in range(2000):
-        policy.realized.observe(False, 8.0, 8, 0.008, 0.008)
+        linear.realized.observe(False, 8.0, 8, 0.008, 0.008)
     assert any(policy.choose(cands, linear).num_draft)
 
 

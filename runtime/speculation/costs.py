@@ -217,6 +217,47 @@ class DraftCosts:
         return seconds
 
 
+# Each step fades the realized-against-predicted sums (``Realized``) by this factor: half-life
+# ~140 steps, as the engine-wide acceptance counts.
+REALIZED_DECAY = 0.995
+# ``Realized`` starts as if this many expected tokens of each kind of step had been made as
+# predicted, and drifts back there as its evidence fades, so drafting declined on it is tried
+# again.
+REALIZED_PRIOR = 32.0
+
+
+class Realized:
+    """What steps made against their prediction, drafting steps and plain ones apart: emitted
+    tokens at the predicted time (scaled by predicted over measured seconds) against expected
+    tokens. Drafts are chosen where estimates are high, and high by chance more often than
+    not: SmolLM2 int8 at 8 rows on ShareGPT, with per-position calibration, expected 12.2
+    tokens from its drafting steps and made 11.3, 3% slower than predicted, while plain steps
+    came within 2%; the drafts the policy saw as a 12% gain gained 2%, and automatic
+    speculation ran at 0.94x none. The policy lowers a drafting candidate's gain by
+    ``shrink``."""
+
+    def __init__(self) -> None:
+        self._sums = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafted -> [expected, realized]
+
+    def observe(
+        self, drafted: bool, expected: float, emitted: int, predicted: float, measured: float
+    ) -> None:
+        for sums in self._sums.values():
+            sums[0] *= REALIZED_DECAY
+            sums[1] *= REALIZED_DECAY
+        sums = self._sums[drafted]
+        sums[0] += expected
+        sums[1] += emitted * predicted / measured
+
+    def shrink(self) -> float:
+        """Drafting steps' realized share of their predicted goodput over plain steps', at
+        most 1."""
+        (de, dr), (pe, pr) = self._sums[True], self._sums[False]
+        drafting = (dr + REALIZED_PRIOR) / (de + REALIZED_PRIOR)
+        plain = (pr + REALIZED_PRIOR) / (pe + REALIZED_PRIOR)
+        return min(1.0, drafting / plain)
+
+
 @dataclasses.dataclass
 class StepCosts:
     """Predicted seconds of a decode step: the target pass with its sampling, the proposer, and
@@ -270,6 +311,7 @@ class StepCosts:
     estimate_bias: RunningMean = dataclasses.field(default_factory=lambda: RunningMean(1.0))
     # Per row count: verify passes run since a step last measured its plain pass.
     unrefreshed: dict[int, int] = dataclasses.field(default_factory=dict)
+    realized: Realized = dataclasses.field(default_factory=Realized)
 
     def predict(self, shape: StepShape) -> float | None:
         target = self.target(shape.rows, shape.rows + shape.drafts + shape.chunk)

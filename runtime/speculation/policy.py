@@ -43,44 +43,6 @@ MIN_GAIN = 0.05
 # through that gained 5-10% as predicted and ran at 0.92-0.96x plain (SmolLM2 int8, 8 streams,
 # 2026-11-28). Past this margin no such error flips the choice, and no step is lost measuring.
 REFRESH_BELOW = 1.25
-# Each step fades the realized-against-predicted sums (``Realized``) by this factor: half-life
-# ~140 steps, as the engine-wide acceptance counts.
-REALIZED_DECAY = 0.995
-# ``Realized`` starts as if this many expected tokens of each kind of step had been made as
-# predicted, and drifts back there as its evidence fades, so drafting declined on it is tried
-# again.
-REALIZED_PRIOR = 32.0
-
-
-class Realized:
-    """What steps made against their prediction, drafting steps and plain ones apart: emitted
-    tokens at the predicted time (scaled by predicted over measured seconds) against expected
-    tokens. Drafts are chosen where estimates are high, and high by chance more often than
-    not: SmolLM2 int8 at 8 rows on ShareGPT, with per-position calibration, expected 12.2
-    tokens from its drafting steps and made 11.3, 3% slower than predicted, while plain steps
-    came within 2%; the drafts the policy saw as a 12% gain gained 2%, and automatic
-    speculation ran at 0.94x none. ``shrink`` lowers a drafting candidate's gain by that."""
-
-    def __init__(self) -> None:
-        self._sums = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafted -> [expected, realized]
-
-    def observe(
-        self, drafted: bool, expected: float, emitted: int, predicted: float, measured: float
-    ) -> None:
-        for sums in self._sums.values():
-            sums[0] *= REALIZED_DECAY
-            sums[1] *= REALIZED_DECAY
-        sums = self._sums[drafted]
-        sums[0] += expected
-        sums[1] += emitted * predicted / measured
-
-    def shrink(self) -> float:
-        """Drafting steps' realized share of their predicted goodput over plain steps', at
-        most 1."""
-        (de, dr), (pe, pr) = self._sums[True], self._sums[False]
-        drafting = (dr + REALIZED_PRIOR) / (de + REALIZED_PRIOR)
-        plain = (pr + REALIZED_PRIOR) / (pe + REALIZED_PRIOR)
-        return min(1.0, drafting / plain)
 
 
 @dataclasses.dataclass
@@ -123,9 +85,6 @@ def _factor(calibration: Sequence[float], j: int) -> float:
 
 
 class GoodputPolicy:
-    def __init__(self) -> None:
-        self.realized = Realized()
-
     def choose(
         self,
         batch: list[Candidate],
@@ -209,7 +168,7 @@ class GoodputPolicy:
         spread = sum(share[i] * emitted[i] for i in drafting)
         best = base = _decision(num_draft, step, whole, spread, tokens, riding)
         # The gain a draft must promise: MIN_GAIN, over what drafting steps realize of theirs.
-        needed = (1 + MIN_GAIN) / self.realized.shrink()
+        needed = (1 + MIN_GAIN) / costs.realized.shrink()
         # Next drafts by their chance to be emitted: c_k alpha^(k+1) for the (k+1)-th.
         chance = [c.acceptance for c in batch]  # alpha^(k+1), uncalibrated
         queue = [
