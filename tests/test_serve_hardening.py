@@ -361,12 +361,14 @@ def test_a_client_that_stops_reading_is_cut_off(tiny_llama):
 
 
 def test_overload_is_decided_on_arrival_not_at_the_next_step(tiny_llama):
-    """With steps of 0.8 s, a request past the queue bound gets its 503 at once."""
+    """With steps of 2 s, a request past the queue bound gets its 503 at once. (Steps of
+    0.8 s against a 0.2 s bound failed once in the full suite: 0.41 s, with SmolLM2 serving
+    beside it.)"""
     llm = LLM(tiny_llama.artifact, max_batch_size=1)
     step = llm.engine.step
 
     def slow_step():
-        time.sleep(0.8)
+        time.sleep(2.0)
         return step()
 
     llm.engine.step = slow_step
@@ -379,7 +381,7 @@ def test_overload_is_decided_on_arrival_not_at_the_next_step(tiny_llama):
         with pytest.raises(openai.APIStatusError) as refused:
             served.client().completions.create(model="tiny", prompt="w9", max_tokens=2)
         took = time.perf_counter() - start
-        assert refused.value.status_code == 503 and took < 0.2, took
+        assert refused.value.status_code == 503 and took < 0.5, took
         assert _finish_reason_or_error(waiting.join()) == "length"
         running.join()
 
