@@ -15,6 +15,8 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+from .acceptance import ENGINE_DECAY
+
 # Context tokens each sequence holds in the load-time passes. Attention makes a pass dearer with
 # the context its tokens attend over (SmolLM2 int8, 16 rows on 2 cores: a decode step costs
 # 16.9 ms at 32 tokens of context each, 26.5 ms at 256 and 36.8 ms at 512), so the tables hold
@@ -217,9 +219,6 @@ class DraftCosts:
         return seconds
 
 
-# Each step fades the realized-against-predicted sums (``Realized``) by this factor: half-life
-# ~140 steps, as the engine-wide acceptance counts.
-REALIZED_DECAY = 0.995
 # ``Realized`` starts as if this many expected tokens of each kind of step had been made as
 # predicted, and drifts back there as its evidence fades, so drafting declined on it is tried
 # again.
@@ -229,7 +228,8 @@ REALIZED_PRIOR = 32.0
 class Realized:
     """What steps made against their prediction, drafting steps and plain ones apart: emitted
     tokens at the predicted time (scaled by predicted over measured seconds) against expected
-    tokens. Drafts are chosen where estimates are high, and estimates high by chance gather
+    tokens, fading each step as the engine-wide acceptance counts do (``ENGINE_DECAY``).
+    Drafts are chosen where estimates are high, and estimates high by chance gather
     there: SmolLM2 int8 at 8 rows on ShareGPT, with per-position calibration, expected 12.2
     tokens from its drafting steps and made 11.3, 3% slower than predicted, while plain steps
     came within 2%; the drafts the policy saw as a 12% gain gained 2%, and automatic
@@ -243,8 +243,8 @@ class Realized:
         self, drafted: bool, expected: float, emitted: int, predicted: float, measured: float
     ) -> None:
         for sums in self._sums.values():
-            sums[0] *= REALIZED_DECAY
-            sums[1] *= REALIZED_DECAY
+            sums[0] *= ENGINE_DECAY
+            sums[1] *= ENGINE_DECAY
         sums = self._sums[drafted]
         sums[0] += expected
         sums[1] += emitted * predicted / measured
