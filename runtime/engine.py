@@ -1,8 +1,8 @@
 """The continuous-batching engine: each ``step`` runs the plan the scheduler makes
 (runtime/scheduler.py: admissions, a prompt chunk, decode or verify rows with their drafts,
-preemptions) and commits its results. A step whose chunk completes a prompt ends after sampling
-its first token, so that token is reported at once; the decode step follows in the next
-``step``.
+preemptions) and commits its results. A chunk that completes a prompt samples its first token
+from the same pass as the step's decode or verify rows, so a prompt arriving beside running
+streams costs them no pass of its own.
 
 A step reads as schedule -> execute -> commit -> process:
   schedule  ``Scheduler.schedule``: one plan, decided there and nowhere else
@@ -38,6 +38,7 @@ import dataclasses
 import itertools
 import time
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -87,6 +88,7 @@ class StepResult:
     ended: float  # ... and when it ended
     draft_seconds: float
     target_seconds: float  # the target's pass and sampling
+    first: PrefillResult  # first tokens of the prompts the pass's riding chunk completed
 
 
 @dataclasses.dataclass
@@ -392,20 +394,28 @@ class Engine:
                 self.kv, [s.seq_id for s, _ in work.fresh], [t for _, t in work.fresh]
             )
             release_pooled_buffers()
-        seqs, rows = [], []
-        for row, ((parent, _), done) in enumerate(zip(work.fresh, work.completes, strict=True)):
+        return self._first_tokens(work, logits, range(len(work.fresh)))
+
+    def _first_tokens(
+        self, work: PrefillWork, logits: tvm.runtime.Tensor, rows: Iterable[int]
+    ) -> PrefillResult:
+        """The first token of each prompt ``work`` completes, from its last token's row
+        ``rows[i]`` of ``logits`` (one per fresh prompt); each sample of ``n > 1`` forks from
+        the prompt's KV pages."""
+        seqs, picked = [], []
+        for row, (parent, _), done in zip(rows, work.fresh, work.completes, strict=True):
             if not done:
                 continue
             for seq in parent.request.sequences[1:]:
                 self.kv.fork_sequence(parent.seq_id, seq.seq_id)
             seqs += parent.request.sequences
-            rows += [row] * len(parent.request.sequences)
+            picked += [row] * len(parent.request.sequences)
         if not seqs:
             return PrefillResult([])
         none = [np.zeros(0, np.int64)] * len(seqs)
         masks = self._grammar_masks(seqs, none, [None] * len(seqs))
         with self.timers("sample"):
-            first = take(logits, rows)
+            first = take(logits, picked)
             tokens = self.target.sampler.sample_logits(
                 first if masks is None else self.target.sampler.mask(first, masks),
                 [s.params for s in seqs],
@@ -413,8 +423,8 @@ class Engine:
             )
         return PrefillResult(
             [
-                (s, int(t), Rows(logits, r, r + 1))
-                for s, t, r in zip(seqs, tokens, rows, strict=True)
+                (s, int(t), Rows(first, i, i + 1))
+                for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
             ]
         )
 
@@ -454,12 +464,12 @@ class Engine:
         drafted = time.perf_counter()
         num_draft = np.array([len(d) for d in drafts])
         if num_draft.any():
-            kept, emitted, logits = self._verify(
+            kept, emitted, logits, first = self._verify(
                 seqs, drafts, parents, draft_probs, masks, plan.chunk
             )
         else:
             kept = [[] for _ in seqs]
-            emitted, logits = self._decode(seqs, plan.chunk, masks)
+            emitted, logits, first = self._decode(seqs, plan.chunk, masks)
         accepted = np.array([len(k) for k in kept], np.int64)
         per_seq = np.split(emitted, np.cumsum(accepted + 1)[:-1])
         starts = np.cumsum(num_draft + 1) - (num_draft + 1)  # each sequence's first logits row
@@ -473,25 +483,30 @@ class Engine:
             (ended := time.perf_counter()),
             drafted - started,
             ended - drafted,
+            first,
         )
 
     def _decode(
         self, seqs: list[Sequence], chunk: PrefillWork | None, masks: np.ndarray | None
-    ) -> tuple[np.ndarray, tvm.runtime.Tensor]:
+    ) -> tuple[np.ndarray, tvm.runtime.Tensor, PrefillResult]:
         """The plain step: one token per sequence, no draft forward, no verification;
-        ``(tokens, logits)``, each row sampled under its grammar's ``masks`` where given. A
-        prompt ``chunk`` is computed in the same pass (``_beside_chunk``)."""
+        ``(tokens, logits, first tokens of the prompts the chunk completes)``, each row sampled
+        under its grammar's ``masks`` where given. A prompt ``chunk`` is computed in the same
+        pass (``_beside_chunk``)."""
+        first = PrefillResult([])
         with self.timers("decode"):
             ids, pending = [s.seq_id for s in seqs], [s.tokens[-1] for s in seqs]
             if chunk is None:
                 logits = self.target.decode(self.kv, ids, pending)
             else:
-                logits = self._beside_chunk(ids, [[t] for t in pending], [None] * len(ids), chunk)
+                logits, first = self._beside_chunk(
+                    ids, [[t] for t in pending], [None] * len(ids), chunk
+                )
         with self.timers("sample"):
             uniforms = np.array([s.rng.random() for s in seqs])
             masked = logits if masks is None else self.target.sampler.mask(logits, masks)
             tokens = self.target.sampler.sample_logits(masked, [s.params for s in seqs], uniforms)
-        return tokens, logits
+        return tokens, logits, first
 
     def _beside_chunk(
         self,
@@ -499,19 +514,29 @@ class Engine:
         inputs: list,
         trees: list[tuple[int, np.ndarray] | None],
         chunk: PrefillWork,
-    ) -> tvm.runtime.Tensor:
+    ) -> tuple[tvm.runtime.Tensor, PrefillResult]:
         """One target pass over ``inputs`` of sequences ``ids`` and a prompt ``chunk``: logits
-        of the sequences' tokens only, so the chunk's rows pay no LM head (a row is the same in
-        any function, docs/exactness.md)."""
+        of the sequences' tokens, and of the last token of each prompt the chunk completes,
+        whose first token is sampled from it; the chunk's other rows pay no LM head (a row is
+        the same in any function, docs/exactness.md). ``(the sequences' logits, the first
+        tokens)``."""
+        chunks = [t for _, t in chunk.fresh]
+        rows = sum(map(len, inputs))
+        ends = np.cumsum([rows, *map(len, chunks)])[1:] - 1  # each chunk's last token
+        last = [int(end) for end, done in zip(ends, chunk.completes, strict=True) if done]
         logits = self.target.evaluate_multi_query(
             self.kv,
             ids + [s.seq_id for s, _ in chunk.fresh],
-            inputs + [t for _, t in chunk.fresh],
+            inputs + chunks,
             trees + [None] * len(chunk.fresh),
-            scored=len(ids),
+            scored=[*range(rows), *last],
         )
         release_pooled_buffers()
-        return logits
+        if not last:
+            return logits, PrefillResult([])
+        at = iter(range(rows, rows + len(last)))
+        first = self._first_tokens(chunk, logits, [next(at) if c else -1 for c in chunk.completes])
+        return take(logits, range(rows)), first
 
     def _verify(
         self,
@@ -521,32 +546,34 @@ class Engine:
         draft_probs: DraftProbs | None,
         masks: np.ndarray | None,
         chunk: PrefillWork | None = None,
-    ) -> tuple[list[list[int]], np.ndarray, tvm.runtime.Tensor]:
+    ) -> tuple[list[list[int]], np.ndarray, tvm.runtime.Tensor, PrefillResult]:
         """One target pass over every sequence's pending token and drafts, then acceptance:
-        ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits)``. A
-        prompt ``chunk`` is computed in the same pass (``_beside_chunk``)."""
+        ``(accepted drafts per sequence, emitted tokens concatenated, the pass's logits, first
+        tokens of the prompts the chunk completes)``. A prompt ``chunk`` is computed in the
+        same pass (``_beside_chunk``)."""
         inputs = [[s.tokens[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
         blocks = [block_parents(len(d), p) for d, p in zip(drafts, parents, strict=True)]
         trees = [
             None if p is None else (s.kv_len, block)
             for s, p, block in zip(seqs, parents, blocks, strict=True)
         ]
+        first = PrefillResult([])
         with self.timers("verify"):
             ids = [s.seq_id for s in seqs]
             if chunk is None:
                 logits = self.target.evaluate_multi_query(self.kv, ids, inputs, trees)
             else:
-                logits = self._beside_chunk(ids, inputs, trees, chunk)
+                logits, first = self._beside_chunk(ids, inputs, trees, chunk)
         with self.timers("sample"):
             scored = logits if masks is None else self.target.sampler.mask(logits, masks)
             if any(p is not None for p in parents):
-                return (*self._walk_trees(seqs, inputs, blocks, scored), logits)
+                return (*self._walk_trees(seqs, inputs, blocks, scored), logits, first)
             num_draft = [len(d) for d in drafts]
             uniforms = [s.rng.random(k + 1) for s, k in zip(seqs, num_draft, strict=True)]
             accepted, emitted = self.target.sampler.verify(
                 scored, [s.params for s in seqs], drafts, draft_probs, uniforms
             )
-        return [list(range(1, a + 1)) for a in accepted], emitted, logits
+        return [list(range(1, a + 1)) for a in accepted], emitted, logits, first
 
     # ---- structured output ---------------------------------------------------------------
     def _grammar_masks(
@@ -624,8 +651,7 @@ class Engine:
             self.scheduler.plain_step_ran(plan, result.target_seconds)
         elif plan.chunk is not None:
             self.scheduler.chunk_ran(plan, result.num_draft.tolist(), result.target_seconds)
-        if plan.chunk is not None:
-            self._commit_prefill(plan.chunk, PrefillResult([]))
+        committed = [] if plan.chunk is None else self._commit_prefill(plan.chunk, result.first)
         live = [i for i, s in enumerate(plan.seqs) if not s.finished]
         seqs = [plan.seqs[i] for i in live]
         num_draft, accepted = result.num_draft[live], result.accepted[live]
@@ -637,7 +663,7 @@ class Engine:
             self.stats.record(int(k), int(a))
         if self.proposer is not None:
             self.scheduler.verified(plan, live, num_draft.tolist(), kept)
-        committed = [
+        committed += [
             self._append(seq, [int(t) for t in result.emitted[i]], result.rows[i])
             for i, seq in zip(live, seqs, strict=True)
         ]

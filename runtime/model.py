@@ -199,22 +199,22 @@ class Model:
         seq_ids: Sequence[int],
         tokens: Sequence[Sequence[int]],
         trees: Sequence[tuple[int, np.ndarray] | None] | None = None,
-        scored: int | None = None,
+        scored: Sequence[int] | None = None,
     ) -> tvm.runtime.Tensor:
         """Append several tokens per sequence; logits of every new token, concatenated in
         sequence order [sum(len), V]. ``trees[i]``: sequence i's new tokens are the last nodes
         of a draft tree rooted at position ``base`` with ``parents`` (``(base, parents)``,
-        ``runtime/draft_tree.py``), not a run of consecutive tokens. ``scored``: only the first
-        ``scored`` sequences' tokens get logits; the others (a prompt chunk riding in a verify
-        pass) only append their keys and values, through ``prefill``'s logit positions, so
-        that their rows pay no LM head (a row is the same in either function)."""
+        ``runtime/draft_tree.py``), not a run of consecutive tokens. ``scored``: only the
+        tokens at these positions (of the concatenation) get logits, in this order; the others
+        (a prompt chunk riding in a step's pass) only append their keys and values, through
+        ``prefill``'s logit positions, so that their rows pay no LM head (a row is the same in
+        either function)."""
         lengths = [len(t) for t in tokens]
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
         ids = self._ids(flat, (1, len(flat)))
-        if scored is None or scored == len(tokens):
+        if scored is None:
             return self._run("evaluate_multi_query", kv, seq_ids, lengths, ids, trees=trees)
-        rows = np.arange(sum(lengths[:scored]))
-        positions = self._ids(rows, (len(rows),))
+        positions = self._ids(np.asarray(scored), (len(scored),))
         return self._run("prefill", kv, seq_ids, lengths, ids, positions, trees=trees)
 
 

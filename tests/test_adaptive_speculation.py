@@ -276,8 +276,8 @@ def test_a_prompt_chunk_rides_in_the_verify_pass_while_streams_draft(tiny_llama)
     """A 150-token prompt arrives while two streams decode, with a step budget that chunks it:
     the policy is told the chunk's tokens and may draft for the automatic-k stream (a random k
     here), the stream that set k = 3 keeps drafting, every chunk rides in the streams' pass
-    (verifying or plain) rather than a pass of its own, and every token is the one plain
-    decoding gives."""
+    (verifying or plain) rather than a pass of its own, the last one too, which samples the
+    prompt's first token, and every token is the one plain decoding gives."""
     llm = LLM(
         tiny_llama.artifact,
         speculative={"method": "ngram", "num_speculative_tokens": "auto"},
@@ -306,8 +306,8 @@ def test_a_prompt_chunk_rides_in_the_verify_pass_while_streams_draft(tiny_llama)
     assert any(any(p.step.num_draft) for p in riding)
     # Told of every chunk that rode (one told of may wait instead, for a plain step to measure).
     assert not Counter(p.step.chunk.tokens() for p in riding) - Counter(policy.chunks)
-    alone = [p for p in plans if p.prefill is not None]
-    assert len(alone) == 1 and all(alone[0].prefill.completes)  # the prompt's last chunk
+    assert all(p.prefill is None for p in plans)  # the prompt's last chunk rode too
+    assert riding[-1].step.chunk.completes == [True]
     while engine.has_unfinished():
         engine.step()
     plain = LLM(tiny_llama.artifact)

@@ -141,8 +141,9 @@ def test_chunked_prefill_matches_one_pass(tiny_llama):
 def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(tiny_llama):
     """Two streams decode while a 200-token prompt arrives: with a budget of 24 tokens a step,
     its chunks take 22 (24 less a token per stream), each in one pass with the streams' tokens,
-    and every step still decodes the streams; outputs equal those of whole-prompt passes.
-    Alone, a prompt takes whole passes."""
+    and every step still decodes the streams, the last one sampling the prompt's first token
+    too; outputs and log-probabilities equal those of whole-prompt passes. Alone, a prompt
+    takes whole passes."""
     long_prompt = list(np.random.default_rng(4).integers(3, VOCAB, 200))
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [PROMPTS[0], PROMPTS[1], long_prompt]
@@ -172,11 +173,10 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
     while late.sequences[0].num_output == 0:
         engine.step()
         steps += 1
-    # 200 tokens: 9 chunks of 22 beside the streams' 2 tokens; the last 2 (completing the
-    # prompt, so its first token comes before the streams' next) in a pass of their own.
-    assert passes == [24] * 9 + [2]
-    # The streams advanced in every step but the last, whose chunk completed the prompt.
-    assert [s.num_output for r in streams for s in r.sequences] == [d + steps - 1 for d in decoded]
+    # 200 tokens: 9 chunks of 22 beside the streams' 2 tokens, then the last 2 beside them.
+    assert passes == [24] * 9 + [4]
+    # The streams advanced in every step, the last too, whose chunk completed the prompt.
+    assert [s.num_output for r in streams for s in r.sequences] == [d + steps for d in decoded]
     while engine.has_unfinished():
         engine.step()
     for request, whole in zip((*streams, late), expected, strict=True):
@@ -229,11 +229,11 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
     scheduler.chunk_sizer.size = lambda: 4  # chunks that take the prompt many steps
     while not late.sequences[0].num_output:
         engine.step()
-    # The first chunk's 8 tokens, 188 in 47 chunks of 4, the last 4 in a pass of their own (it
-    # completes the prompt: no plain step); after every PLAIN_EVERY chunks a plain step.
+    # The first chunk's 8 tokens, then 192 in 48 chunks of 4, the last of which completes the
+    # prompt in the streams' step too; after every PLAIN_EVERY chunks a plain step.
     runs = " ".join(map(str, chunks)).split(" None ")
-    assert sum(filter(None, chunks)) == 196 and len(runs) == 48 // PLAIN_EVERY
-    assert all(len(r.split()) == PLAIN_EVERY for r in runs)
+    assert sum(filter(None, chunks)) == 200 and len(runs) == 49 // PLAIN_EVERY + 1
+    assert all(len(r.split()) == PLAIN_EVERY for r in runs[:-1]) and len(runs[-1].split()) == 1
     while engine.has_unfinished():
         engine.step()
     whole = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1], long_prompts[0]], params)

@@ -115,17 +115,28 @@ def _check_all_ways(run: _Run, prompt, tokens, vocab: int) -> None:
         rows.append(out[first : first + b - a])
     np.testing.assert_array_equal(np.concatenate(rows), decoded)
 
-    # Verified with a prompt's chunks riding in the passes, without logits (a verify step that
-    # carries a prefill chunk): the verified rows, and the prompt's K/V as decoding writes it.
+    # Verified with a prompt's chunks riding in the passes (a verify step that carries a
+    # prefill chunk): the verified rows, the row of each chunk's last token (a chunk that ends
+    # a prompt samples its first token there), and the prompt's K/V as decoding writes it.
     seq, rider = run.new(prompt), run.new()
     blocks = _lengths_cover(len(tokens), [5, 11, 16, 8] * 4)
     starts = np.cumsum([0, *blocks])
-    chunks = np.array_split(np.concatenate([prompt, tokens]), len(blocks))
-    rows = [
-        run.model.evaluate_multi_query(run.kv, [seq, rider], [tokens[a:b], chunk], scored=1).numpy()
-        for a, b, chunk in zip(starts[:-1], starts[1:], chunks, strict=True)
-    ]
+    fed = np.concatenate([prompt, tokens])
+    ends = np.cumsum([len(c) for c in np.array_split(fed, len(blocks))])
+    rows, last_rows = [], []
+    for a, b, c0, c1 in zip(starts[:-1], starts[1:], [0, *ends[:-1]], ends, strict=True):
+        scored = [*range(b - a), b - a + c1 - c0 - 1]
+        out = run.model.evaluate_multi_query(
+            run.kv, [seq, rider], [tokens[a:b], fed[c0:c1]], scored=scored
+        ).numpy()
+        rows.append(out[:-1])
+        last_rows.append(out[-1])
     np.testing.assert_array_equal(np.concatenate(rows), decoded)
+    past_prompt = ends - 1 - len(prompt)
+    assert (past_prompt >= 0).sum() >= 2
+    np.testing.assert_array_equal(
+        np.stack(last_rows)[past_prompt >= 0], decoded[past_prompt[past_prompt >= 0]]
+    )
     np.testing.assert_array_equal(run.keys_and_values(rider), kv)
 
     # Decoded in a batch of other sequences.
@@ -186,7 +197,11 @@ def _check_tree(run: _Run, prompt, vocab: int) -> None:
     rider = run.new()  # with a prompt chunk riding in the pass, without logits
     ridden = run.new(prompt)
     tree = run.model.evaluate_multi_query(
-        run.kv, [ridden, rider], [tokens, prompt], [(base, np.array(PARENTS)), None], scored=1
+        run.kv,
+        [ridden, rider],
+        [tokens, prompt],
+        [(base, np.array(PARENTS)), None],
+        scored=range(len(tokens)),
     )
     np.testing.assert_array_equal(tree.numpy(), np.stack(decoded))
     np.testing.assert_array_equal(run.keys_and_values(rider), run.keys_and_values(run.new(prompt)))

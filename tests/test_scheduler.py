@@ -31,8 +31,10 @@ def _step(llm: LLM, plans: list[SchedulerOutput]) -> SchedulerOutput:
 
 def test_a_step_runs_its_plan(tiny_llama):
     """A prompt alone gets a whole pass and no decode rows; a prompt that shares whole pages
-    with it starts from them; a prompt arriving while two streams decode rides in their plain
-    step's pass, within the token budget less a token per stream."""
+    with it starts from them, and its rest rides in the stream's plain step, which samples
+    its first token too; a prompt arriving while two streams decode rides in their plain
+    step's pass, within the token budget less a token per stream. Outputs are those of each
+    prompt alone."""
     llm = LLM(
         tiny_llama.artifact, max_num_batched_tokens=24, prefill_chunk_size=64, chunk_time_ratio=None
     )
@@ -52,10 +54,13 @@ def test_a_step_runs_its_plan(tiny_llama):
     b = engine.add_request(first[:32] + [int(t) for t in rng.integers(3, VOCAB, 8)], PARAMS)
     plan = _step(llm, plans)
     assert plan.admitted == [b] and plan.cached_tokens == 32  # two whole pages of a's prompt
-    assert [len(t) for _, t in plan.prefill.fresh] == [8] and plan.step is None
+    assert plan.prefill is None and plan.step.seqs == a.sequences
+    assert [len(t) for _, t in plan.step.chunk.fresh] == [8] and plan.step.chunk.completes == [True]
     assert b.num_cached_tokens == 32
+    assert [len(r.sequences[0].tokens) - r.sequences[0].num_prompt for r in (a, b)] == [3, 1]
 
     c = engine.add_request([int(t) for t in rng.integers(3, VOCAB, 60)], PARAMS)
+    prompts = [r.prompt_token_ids for r in (a, b, c)]
     plan = _step(llm, plans)
     assert plan.admitted == [c] and plan.prefill is None
     assert plan.step.seqs == a.sequences + b.sequences
@@ -64,6 +69,11 @@ def test_a_step_runs_its_plan(tiny_llama):
     while engine.has_unfinished():
         engine.step()
     assert engine.kv.available_pages() == engine.capacity_pages
+    alone = [LLM(tiny_llama.artifact).generate([p], PARAMS)[0] for p in prompts]
+    for request, want in zip((a, b, c), alone, strict=True):
+        assert request.sequences[0].tokens[len(want.prompt_token_ids) :] == (
+            want.outputs[0].token_ids
+        )
 
 
 def test_preempted_requests_come_back_through_the_plan(tiny_llama):
