@@ -69,6 +69,10 @@ def test_speculation_matches_brute_force_while_a_document_grows(vocab, max_depth
         pos += size
         assert tree.num_tokens(7) == pos
         check(tree, [doc[:pos]], doc[:pos])  # drafting from its own history
+        tail = tree.speculate_tail(7, 8, 1.0, 0.1)  # ... starting from its open suffixes
+        want = tree.speculate(doc[:pos], 8, 1.0, 0.1)
+        assert [x.tolist() for x in tail[:2]] == [x.tolist() for x in want[:2]]
+        assert tail[2:] == want[2:]
         check(tree, [doc[:pos]], rng.integers(0, vocab, 12).tolist())
 
 
@@ -90,6 +94,11 @@ def test_many_documents_and_removals_match_brute_force(factor, min_prob, max_tok
             tree.extend(doc, docs[doc])
         context = rng.integers(0, 4, 10).tolist()
         check(tree, list(docs.values()), context, max_tokens, factor, min_prob)
+        if docs:  # a live document's own end, among the others' counts
+            doc = int(rng.choice(list(docs)))
+            tail = tree.speculate_tail(doc, max_tokens, factor, min_prob)
+            want = brute_force(list(docs.values()), docs[doc], 8, max_tokens, factor, min_prob)
+            assert (tail[0].tolist(), tail[1].tolist(), tail[3]) == (want[0], want[1], want[3])
     for doc in list(docs):
         tree.remove(doc)
     assert tree.num_nodes == 1 and tree.num_documents == 0  # only the root is left
@@ -167,5 +176,8 @@ def test_bad_input_is_refused():
         tree.extend(0, [1.5])
     with pytest.raises(ValueError, match="max_tokens"):
         tree.speculate([1], -1, 1.0, 0.1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        tree.speculate_tail(0, -1, 1.0, 0.1)
+    assert tree.speculate_tail(5, 4, 1.0, 0.1)[2:] == (0.0, 0)  # no such document: no drafts
     with pytest.raises(ValueError, match="max_bytes"):
         SuffixCache(4, -1)

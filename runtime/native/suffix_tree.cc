@@ -11,7 +11,11 @@
 // A speculation matches a suffix of the context of m tokens, for each m, and walks down from it
 // to the most frequent child while the product of the branch fractions stays at or above
 // `min_token_prob`; the walk with the largest expected number of accepted tokens (the sum of
-// those products) wins, the longer match on a tie.
+// those products) wins, the longer match on a tie. Where the context is a document's own end
+// (a request drafting from its prompt and output), its open suffixes are those matches, so
+// `SpeculateTail` starts from them instead of looking each one up from the root: up to
+// max_depth^2 / 2 probes of the child table, each likely a cache miss right after a forward
+// pass has swept the caches.
 //
 // Children are found through one open-addressing table keyed by (parent, token), and listed
 // through sibling links for the walk; freed nodes are reused, so memory follows the live count.
@@ -168,10 +172,21 @@ class SuffixTree {
         node = table_.Get(Key(node, context[j]));
       }
       if (node < 0) break;  // a longer suffix contains this one, so it is not there either
-      const double limit = std::min(static_cast<double>(max_tokens), m * max_spec_factor);
-      Speculation walk = Walk(node, static_cast<int64_t>(limit + 1e-9), min_token_prob);
-      walk.match_len = static_cast<int64_t>(m);
-      if (walk.score >= best.score) best = std::move(walk);
+      Consider(node, max_tokens, max_spec_factor, min_token_prob, best);
+    }
+    return best;
+  }
+
+  // `Speculate` with the last max_depth - 1 tokens of document `doc_id` as the context.
+  Speculation SpeculateTail(int64_t doc_id, int64_t max_tokens, double max_spec_factor,
+                            double min_token_prob) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Speculation best;
+    auto it = docs_.find(doc_id);
+    if (it == docs_.end()) return best;
+    const std::deque<int32_t>& open = it->second.open;  // longest first, each one token shorter
+    for (auto node = open.rbegin(); node != open.rend(); ++node) {
+      Consider(*node, max_tokens, max_spec_factor, min_token_prob, best);
     }
     return best;
   }
@@ -250,6 +265,16 @@ class SuffixTree {
     free_.push_back(id);
   }
 
+  // The walk below `node`, a match of `node`'s depth, replaces `best` if it scores as well.
+  void Consider(int32_t node, int64_t max_tokens, double max_spec_factor, double min_token_prob,
+                Speculation& best) const {
+    const int32_t m = nodes_[node].depth;
+    const double limit = std::min(static_cast<double>(max_tokens), m * max_spec_factor);
+    Speculation walk = Walk(node, static_cast<int64_t>(limit + 1e-9), min_token_prob);
+    walk.match_len = m;
+    if (walk.score >= best.score) best = std::move(walk);
+  }
+
   // The most frequent path below `node` (the smaller token on a tie) while its chance holds.
   Speculation Walk(int32_t node, int64_t limit, double min_token_prob) const {
     Speculation walk;
@@ -285,6 +310,14 @@ class SuffixTree {
   mutable std::mutex mutex_;
 };
 
+py::tuple ToPython(const Speculation& s) {
+  py::array_t<int32_t> tokens(static_cast<py::ssize_t>(s.tokens.size()));
+  std::copy(s.tokens.begin(), s.tokens.end(), tokens.mutable_data());
+  py::array_t<double> probs(static_cast<py::ssize_t>(s.probs.size()));
+  std::copy(s.probs.begin(), s.probs.end(), probs.mutable_data());
+  return py::make_tuple(tokens, probs, s.score, s.match_len);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_suffix, m) {
@@ -312,13 +345,19 @@ PYBIND11_MODULE(_suffix, m) {
               s = self.Speculate(ids.data(), static_cast<size_t>(ids.size()), max_tokens,
                                  max_spec_factor, min_token_prob);
             }
-            py::array_t<int32_t> tokens(static_cast<py::ssize_t>(s.tokens.size()));
-            std::copy(s.tokens.begin(), s.tokens.end(), tokens.mutable_data());
-            py::array_t<double> probs(static_cast<py::ssize_t>(s.probs.size()));
-            std::copy(s.probs.begin(), s.probs.end(), probs.mutable_data());
-            return py::make_tuple(tokens, probs, s.score, s.match_len);
+            return ToPython(s);
           },
           py::arg("context"), py::arg("max_tokens"), py::arg("max_spec_factor"),
+          py::arg("min_token_prob"))
+      .def(
+          "speculate_tail",
+          [](const SuffixTree& self, int64_t doc_id, int64_t max_tokens, double max_spec_factor,
+             double min_token_prob) {
+            if (max_tokens < 0) throw py::value_error("max_tokens must be >= 0");
+            return ToPython(
+                self.SpeculateTail(doc_id, max_tokens, max_spec_factor, min_token_prob));
+          },
+          py::arg("doc_id"), py::arg("max_tokens"), py::arg("max_spec_factor"),
           py::arg("min_token_prob"))
       .def_property_readonly("num_nodes", &SuffixTree::NumNodes)
       .def_property_readonly("live_bytes", &SuffixTree::LiveBytes)

@@ -37,8 +37,8 @@ class SuffixProposer(ModelFreeProposer):
         if tree is None:
             tree = self._trees[seq.seq_id] = SuffixTree(self.max_depth)
         tree.extend(0, seq.tokens[tree.num_tokens(0) :])
+        own = tree.speculate_tail(0, k, self.max_spec_factor, self.min_token_prob)
         context = np.asarray(seq.tokens[-(self.max_depth - 1) :], dtype=np.int32)
-        own = tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
         shared = self.cache.speculate(context, k, self.max_spec_factor, self.min_token_prob)
         earlier = len(shared[0]) > 0 and shared[2] >= own[2]  # a tie: the longer evidence
         drafts, chances, _, matched = shared if earlier else own
