@@ -25,6 +25,7 @@ from .artifact import (
     read_config,
 )
 from .cuda_kernels import cuda_device
+from .huge_pages import HugePageArena
 from .kv_cache import PagedKVCache, PagePool, TVMKVCache, host_tensor
 from .sampler import Sampler
 from .weights import load_params
@@ -121,7 +122,8 @@ class Model:
                 m["num_key_value_heads"],
                 page_size * m["head_dim"],
             )
-            pages = tvm.runtime.empty(shape, self.config["kv_cache_dtype"], self.device)
+            dtype = np.dtype(self.config["kv_cache_dtype"])
+            pages = HugePageArena([(shape, dtype)]).empty(shape, dtype)
             return PagePool(pages, page_size, prefix_cache)
         shape = tvm_ffi.Shape
         handle = self._fn["create_paged_kv_cache"](

@@ -4,7 +4,8 @@ Every tensor is read through a mapping of the file of its own. The pages a copy 
 resident in this process for as long as the file is mapped, so reading all tensors through one
 mapping held the weights twice at the peak (the mapped file and the device tensors: 1.5 GiB
 more for Qwen2.5-Coder-1.5B). Mapped and unmapped per tensor, the host holds at most one tensor
-beyond what is already on the device.
+beyond what is already on the device. On the CPU the tensors are laid out in one mapping on huge
+pages (``runtime/huge_pages.py``).
 """
 
 from __future__ import annotations
@@ -12,17 +13,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import safetensors
 import tvm
 import tvm.runtime
 
 from .artifact import NUMPY_DTYPES, ArtifactError, ParamRecord
+from .huge_pages import HugePageArena
 
 
 def load_params(
     path: Path, records: Sequence[ParamRecord], device: tvm.runtime.Device
 ) -> list[tvm.runtime.Tensor]:
     """The parameters in the order the functions take them, each checked against its record."""
+    dtypes = [np.dtype(NUMPY_DTYPES[r.dtype]) for r in records]
+    arena = None
+    if device.dlpack_device_type() == tvm.cpu().dlpack_device_type() and all(
+        d.kind in "iuf"
+        for d in dtypes  # what DLPack carries (bfloat16 is CUDA's only)
+    ):
+        arena = HugePageArena([(tuple(r.shape), d) for r, d in zip(records, dtypes, strict=True)])
     try:
         with safetensors.safe_open(str(path), framework="numpy") as f:
             stored = set(f.keys())
@@ -37,7 +47,9 @@ def load_params(
                     f"{path}: parameter {record.name!r} is {array.dtype}{list(array.shape)}, "
                     f"the config says {record.dtype}{list(record.shape)}"
                 )
-            params.append(tvm.runtime.tensor(array, device))
+            params.append(
+                tvm.runtime.tensor(array, device) if arena is None else arena.tensor(array)
+            )
             del array  # before the next one is read
     except safetensors.SafetensorError as err:
         raise ArtifactError(f"{path} is not a readable safetensors file: {err}") from None

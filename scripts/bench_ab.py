@@ -11,6 +11,11 @@ belongs in the commit message and, once judged, in the "Tried and left out" list
 docs/kernels.md, not in a table of its own in docs/benchmarks.md.
 
     python scripts/bench_ab.py A_ARTIFACT B_ARTIFACT [--threads N] [--repeats 10]
+        [--a-small-pages]
+
+``--a-small-pages`` copies A's weights into tensors of TVM's allocator, on 4 KiB pages, as the
+runtime held them before ``runtime/huge_pages.py``: with one artifact as A and B, it judges the
+huge pages alone.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def main() -> None:
     parser.add_argument("b", type=Path, help="the artifact to judge against it")
     parser.add_argument("--threads", type=int, default=usable_cores(), help="default: all")
     parser.add_argument("--repeats", type=int, default=10, help="rounds each; default 10")
+    parser.add_argument(
+        "--a-small-pages", action="store_true", help="A's weights on 4 KiB pages (TVM's allocator)"
+    )
     args = parser.parse_args()
     # TVM sizes its thread pool from the environment, so this must precede importing it.
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
@@ -48,6 +56,14 @@ def main() -> None:
 
     load = start_load()
     models = [Model(path) for path in (args.a, args.b)]
+    if args.a_small_pages:
+        import tvm
+        import tvm_ffi
+
+        params = models[0].params
+        models[0].params = tvm_ffi.convert(
+            [tvm.runtime.tensor(p.numpy(), p.device) for p in params]
+        )
     ids = Tokenizer.from_file(str(args.a / "tokenizer.json")).encode(TEXT * 8).ids
     prompt, continuation = ids[:PROMPT_LEN], ids[PROMPT_LEN : PROMPT_LEN + DECODE_STEPS]
     a, b = (
@@ -57,7 +73,8 @@ def main() -> None:
 
     import tvm  # already imported, after TVM_NUM_THREADS was set
 
-    print(f"- A: {args.a}\n- B: {args.b}")
+    pages = " (weights on 4 KiB pages)" if args.a_small_pages else ""
+    print(f"- A: {args.a}{pages}\n- B: {args.b}")
     print("\n".join(machine_context(load, f"TVM {tvm.__version__}", f"{args.threads} threads")))
     print(f"- {args.repeats} alternating rounds (one warm-up round dropped)\n")
     print("| figure, ms: median (min–max) | A | B | B / A |\n|---|---:|---:|---:|")

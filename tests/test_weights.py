@@ -10,6 +10,7 @@ import tvm
 from safetensors.numpy import save_file
 
 from mlc_spec.runtime.artifact import ArtifactError, ParamRecord
+from mlc_spec.runtime.huge_pages import ALIGNMENT, HUGE_PAGE, HugePageArena
 from mlc_spec.runtime.weights import load_params
 
 
@@ -74,3 +75,27 @@ def test_truncated_and_foreign_files_are_rejected(tmp_path):
     path.write_bytes(b"\x00" * 16)
     with pytest.raises(ArtifactError, match="not a readable safetensors file"):
         load_params(path, _records(tensors), tvm.cpu())
+
+
+def test_cpu_weights_share_one_huge_page_mapping(tmp_path):
+    """Without a dtype DLPack cannot carry, the CPU tensors are laid out front to back in one
+    mapping from a huge page's start, each 64-byte aligned as TVM's kernels assume, bit for bit
+    the stored ones; where DLPack cannot (bfloat16) each is a tensor of its own, as above."""
+    tensors = {k: v for k, v in _tensors().items() if k != "head"}
+    save_file(tensors, str(tmp_path / "params.safetensors"))
+    records = _records(tensors)
+    params = load_params(tmp_path / "params.safetensors", records, tvm.cpu())
+    starts = [np.from_dlpack(p).ctypes.data for p in params]
+    assert starts[0] % HUGE_PAGE == 0 and all(s % ALIGNMENT == 0 for s in starts)
+    sizes = [-(-tensors[r.name].nbytes // ALIGNMENT) * ALIGNMENT for r in records]
+    assert np.diff(starts).tolist() == sizes[:-1]  # one piece after another
+    for record, param in zip(records, params, strict=True):
+        assert param.numpy().tobytes() == tensors[record.name].tobytes()
+
+
+def test_an_arena_hands_out_only_what_it_was_sized_for():
+    arena = HugePageArena([((3, 5), np.float32)])
+    pool = arena.empty((3, 5), np.float32)
+    assert np.from_dlpack(pool).sum() == 0 and pool.dtype == "float32"
+    with pytest.raises(ValueError, match="no room left"):
+        arena.empty((1,), np.int8)
