@@ -81,6 +81,35 @@ def test_parallel_samples_share_the_prompt(tiny_llama):
     _no_leak(llm)
 
 
+def test_parallel_samples_of_a_prompt_completed_beside_streams(tiny_llama):
+    """A seeded request of 3 samples whose prompt completes in the pass of two decoding
+    streams (its last chunk riding there): each sample forks from the prompt's pages and draws
+    its first token from that pass, and the samples, tokens and log-probabilities, are those
+    of the request alone; the streams advance in that step too."""
+    params = SamplingParams(n=3, max_tokens=10, seed=11, ignore_eos=True, logprobs=1)
+    alone = LLM(tiny_llama.artifact).generate(PROMPTS[2], params)[0].outputs
+    llm = LLM(tiny_llama.artifact, max_num_batched_tokens=64, chunk_time_ratio=None)
+    engine = llm.engine
+    stream = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    streams = [engine.add_request(p, stream) for p in (PROMPTS[0], PROMPTS[1])]
+    while not all(s.prefilled for r in streams for s in r.sequences):
+        engine.step()
+    before = [s.num_output for r in streams for s in r.sequences]
+    late = engine.add_request(PROMPTS[2], params)
+    engine.step()
+    assert all(s.num_output == 1 for s in late.sequences)  # prompt and first tokens: one step
+    assert [s.num_output for r in streams for s in r.sequences] == [b + 1 for b in before]
+    while engine.has_unfinished():
+        engine.step()
+    got = late.output(delta=False).outputs
+    assert [o.token_ids for o in got] == [o.token_ids for o in alone]
+    for mine, theirs in zip(got, alone, strict=True):
+        assert np.array_equal(
+            [t.logprob for t in mine.logprobs], [t.logprob for t in theirs.logprobs]
+        )
+    _no_leak(llm)
+
+
 def test_pinned_k_and_seed_give_the_same_output(tiny_llama, tiny_llama_draft):
     """A request that pins its k and a seed gets the same tokens in every run, whatever shares
     its batch (here automatic-k requests) and in another engine."""
