@@ -199,6 +199,13 @@ and command: compare only figures from one section.""",
             "`python scripts/bench_router.py --write docs/benchmarks-features.md`",
         ),
         Group(
+            "Automatic speculation against none in one process, on one copy of the weights",
+            rf"bench_auto-(?:smollm2|qwen-pair){_CPU}",
+            2,
+            "`python scripts/bench_auto.py --write docs/benchmarks-features.md` (and "
+            "`--pair qwen-pair`)",
+        ),
+        Group(
             "`mlc-spec serve` soaked: mixed load at concurrency 64, then SIGTERM",
             r"soak_serve-.+",
             1,

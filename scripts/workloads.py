@@ -22,7 +22,8 @@ from mlc_spec.runtime.engine import Engine
 from mlc_spec.runtime.metrics import SpecStats
 from mlc_spec.runtime.model import Model
 from mlc_spec.runtime.params import EngineConfig, SamplingParams, SpeculativeConfig
-from mlc_spec.runtime.proposers import DraftModelProposer, NgramProposer
+from mlc_spec.runtime.proposers import DraftModelProposer
+from mlc_spec.runtime.proposers.build import build_proposer
 from mlc_spec.runtime.tokenizer import Tokenizer
 from mlc_spec.serve.bench import sharegpt_conversations
 
@@ -89,18 +90,18 @@ def shared_engine(
     models: tuple[Model, Model, Tokenizer],
     config: EngineConfig,
 ) -> Engine:
-    """An engine over already loaded models, with its own KV caches; ``method`` ngram, draft,
-    or None for no speculation."""
+    """An engine over already loaded models, with its own KV caches; ``method`` draft (the
+    loaded draft), a model-free proposer (ngram, suffix), or None for no speculation."""
     target, draft, tokenizer = models
     if method is None:
         return Engine(target, tokenizer, config)
     spec = SpeculativeConfig(method, k, max_k)
     proposer = (
-        NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if method == "ngram"
-        else DraftModelProposer(
+        DraftModelProposer(
             draft, config.max_batch_size, config.max_total_len, config.prefill_chunk_size
         )
+        if method == "draft"
+        else build_proposer(spec, None, target, tokenizer, config)
     )
     return Engine(target, tokenizer, config, proposer, spec)
 
