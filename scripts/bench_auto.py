@@ -14,7 +14,14 @@ speculation ("none, again") shows what noise is left.
   automatic n-gram and draft model.
 
     python scripts/bench_auto.py [--pair smollm2|qwen-pair] [--datasets humaneval sharegpt]
-        [--concurrency 4 8] [--rounds 5] [--requests 32] [--max-tokens 64] [--write PAGE]
+        [--concurrency 4 8] [--rounds 5] [--requests 32] [--max-tokens 64] [--varied]
+        [--write PAGE]
+
+Every answer is ``--max-tokens`` long (EOS ignored), as in ``bench_serving.py``. Replies of one
+length keep the streams of no speculation in step: they end together, and their successors are
+prefilled together with nothing decoding, while speculation's streams drift apart and each
+successor is chunked in beside running ones. ``--varied`` draws each request's length from
+0.5-1.5x ``--max-tokens`` (the same for every engine), as replies of real traffic differ.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import statistics
 from pathlib import Path
 
+import numpy as np
 from benchdoc import cpu_class, machine_context, publish, start_load, usable_cores
 
 THREADS = usable_cores()
@@ -41,6 +49,7 @@ from workloads import (  # noqa: E402
 
 from mlc_spec.runtime.engine import Engine  # noqa: E402
 from mlc_spec.runtime.params import EngineConfig, SamplingParams  # noqa: E402
+from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 
 METHODS = {"smollm2": ("ngram", "suffix"), "qwen-pair": ("ngram", "draft")}
 TITLES = {
@@ -50,7 +59,7 @@ TITLES = {
 NONE, AGAIN = "none", "none, again"
 
 
-def prompts(tokenizer, dataset: str, count: int) -> list[list[int]]:
+def prompts(tokenizer: Tokenizer, dataset: str, count: int) -> list[list[int]]:
     """HumanEval prompts raw, ShareGPT opening turns in the chat template, as the server gets
     them."""
     if dataset == "humaneval":
@@ -65,12 +74,19 @@ def measure(
     """``args.rounds`` rounds of ``args.requests`` new prompts each (one untimed round
     first), every engine in turn on the same prompts; a speculating engine must give the
     tokens of no speculation."""
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    lengths = np.full(len(work), args.max_tokens)
+    if args.varied:
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(args.max_tokens // 2, args.max_tokens * 3 // 2 + 1, len(work))
+    params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True) for n in lengths]
     runs: dict[str, list[Run]] = {name: [] for name in engines}
     for r in range(args.rounds + 1):
-        batch = work[r * args.requests : (r + 1) * args.requests]
+        start, stop = r * args.requests, (r + 1) * args.requests
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-        done = {name: closed_loop(engines[name], batch, params, c) for name in order}
+        done = {
+            name: closed_loop(engines[name], work[start:stop], params[start:stop], c)
+            for name in order
+        }
         for name, run in done.items():
             if run.outputs != done[NONE].outputs:
                 raise SystemExit(f"{name} at C={c} gave other tokens than no speculation")
@@ -94,6 +110,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=32, help="new prompts per round")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--varied", action="store_true", help="answers of 0.5-1.5x --max-tokens, not all equal"
+    )
     parser.add_argument("--write", type=Path, help="record the section in this markdown file")
     args = parser.parse_args()
     load = start_load()
@@ -120,14 +139,21 @@ def main() -> None:
             print(rows[-1], flush=True)
     import tvm  # already imported, after TVM_NUM_THREADS was set
 
+    lengths_text = (
+        f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2} tokens (drawn once)"
+        if args.varied
+        else f"{args.max_tokens} tokens"
+    )
+
     text = "\n".join(
         [
-            f"### {TITLES[args.pair]}, int8 activations, `{cpu_class()}`",
+            f"### {TITLES[args.pair]}, int8 activations, answers of "
+            f"{'varied' if args.varied else 'one'} length, `{cpu_class()}`",
             "",
             *machine_context(load, f"TVM {tvm.__version__}", f"{THREADS} threads"),
             f"- Load: {args.requests} new prompts per round and engine, {args.rounds} rounds "
             f"after an untimed one, the engines in turn (order reversed every other round); "
-            f"greedy, {args.max_tokens} tokens per answer (EOS ignored); batch 8, 8192 tokens "
+            f"greedy, {lengths_text} per answer (EOS ignored); batch 8, 8192 tokens "
             "of KV cache; every speculating engine gave the tokens of no speculation",
             "",
             "| dataset | C | none tok/s | " + " | ".join(names[1:]) + " |",
@@ -138,7 +164,8 @@ def main() -> None:
             f"range]; '{AGAIN}' is a second engine without speculation (the noise).",
         ]
     )
-    publish(text, args.write, f"bench_auto-{args.pair}-{cpu_class()}")
+    varied = "-varied" if args.varied else ""
+    publish(text, args.write, f"bench_auto-{args.pair}{varied}-{cpu_class()}")
 
 
 if __name__ == "__main__":

@@ -200,8 +200,8 @@ and command: compare only figures from one section.""",
         ),
         Group(
             "Automatic speculation against none in one process, on one copy of the weights",
-            rf"bench_auto-(?:smollm2|qwen-pair){_CPU}",
-            2,
+            rf"bench_auto-(?:smollm2|qwen-pair)(?:-varied)?{_CPU}",
+            3,
             "`python scripts/bench_auto.py --write docs/benchmarks-features.md` (and "
             "`--pair qwen-pair`)",
         ),

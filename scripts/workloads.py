@@ -125,16 +125,22 @@ class Run:
 
 
 def closed_loop(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    concurrency: int,
 ) -> Run:
-    """``concurrency`` clients, each sending its next prompt when its last one finished."""
+    """``concurrency`` clients, each sending its next prompt when its last one finished;
+    ``params``: for every prompt, or per prompt."""
     queue = collections.deque(enumerate(prompts))
     prompt_of, first, count, run = {}, {}, collections.Counter(), Run()
 
     def send() -> None:
         index, ids = queue.popleft()
         request_id = f"r{next(_ids)}"
-        engine.add_request(ids, params, request_id=request_id)
+        engine.add_request(
+            ids, params[index] if isinstance(params, list) else params, request_id=request_id
+        )
         prompt_of[request_id] = index
 
     for _ in range(min(concurrency, len(queue))):
