@@ -14,6 +14,10 @@ Goals: automatic speculation >= 1.0x no speculation in every cell; mlc-spec (its
 setting) >= 3x llama-server's throughput (its best) at concurrency >= 4; at concurrency 1,
 mlc-spec's best TPOT p50 <= 0.5x llama-server's best.
 
+Every repeat starts the servers afresh (``--restart-servers``): where a process's weights fall
+in memory stays fixed while it lives, and two loads of one artifact ran 3-4% apart, as much as
+automatic speculation is judged by against none.
+
     python scripts/bench_serving.py --pair smollm2 [--datasets humaneval] [--write PAGE]
     python scripts/bench_serving.py --pair smollm2 --steps [--write PAGE]  # async against sync
 """
@@ -217,12 +221,13 @@ def main() -> None:
         bench.add_arguments(cli)
         argv = [*common, "--dataset", dataset, "--concurrency", *map(str, CONCURRENCY)]
         argv += ["--rounds", str(args.rounds), "--min-requests", str(args.min_requests)]
-        argv += ["--repeats", str(args.repeats)]
+        argv += ["--repeats", str(args.repeats), "--restart-servers"]
         argv += ["--output-dir", str(SCRATCH / f"serve-{args.pair}-{dataset}")]
         results[dataset] = bench.bench(cli.parse_args(argv))
     requests = (
         f"max({args.min_requests}, {args.rounds} x concurrency) requests per level and server, "
-        f"{args.repeats} repeats interleaved (tok/s: the median repeat's)"
+        f"{args.repeats} repeats interleaved, each on servers started afresh (tok/s: the median "
+        "repeat's)"
     )
     title = {
         "smollm2": "SmolLM2-135M-Instruct",

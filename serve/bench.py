@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -584,10 +585,22 @@ def engine_seconds(stats: list[tuple[dict | None, dict | None]]) -> dict[str, fl
     return total
 
 
+def started_servers(stack: contextlib.ExitStack, args, body: dict) -> dict[str, str]:
+    """Every server, started (its exit on ``stack``) and warmed up: label -> /v1 URL."""
+    bases = {}
+    for label, server in servers(args):
+        bases[label] = stack.enter_context(server)
+        warm_up = mixed_jobs(args.dataset, 2, args.max_turns)
+        outcomes, _ = asyncio.run(run_level(bases[label], warm_up, body, 2, None, 0))
+        warmed_up(label, bases[label], outcomes)
+    return bases
+
+
 def bench(args) -> dict[str, Any]:
     """The whole sweep; see ``add_arguments`` for what the options mean. Every server is
     started (and warmed) first, then each concurrency level loads them in turn, ``--repeats``
-    times over, in ``load_order``."""
+    times over, in ``load_order``; with ``--restart-servers`` every repeat starts them
+    afresh."""
     body = {
         "model": args.served_model,
         "max_tokens": args.max_tokens,
@@ -602,41 +615,40 @@ def bench(args) -> dict[str, Any]:
         "settings": {},
     }
     with contextlib.ExitStack() as stack:
-        bases = {}
-        for label, server in servers(args):
-            bases[label] = stack.enter_context(server)
-            warm_up = mixed_jobs(args.dataset, 2, args.max_turns)
-            outcomes, _ = asyncio.run(run_level(bases[label], warm_up, body, 2, None, 0))
-            warmed_up(label, bases[label], outcomes)
+        bases = {} if args.restart_servers else started_servers(stack, args, body)
         # Each level takes the jobs after the last level's, so no server has seen them (its
         # prefix and suffix caches hold what it answered before).
         first_job = 2
-        runs: dict[str, dict[int, list[Run]]] = {
-            label: {c: [] for c in args.concurrency} for label in bases
-        }
-        start, labels = time.perf_counter(), list(bases)
+        runs: dict[str, dict[int, list[Run]]] = collections.defaultdict(
+            lambda: {c: [] for c in args.concurrency}
+        )
+        start = time.perf_counter()
         for repeat in range(args.repeats):
-            for concurrency in args.concurrency:
-                count = max(args.min_requests, args.rounds * concurrency)
-                jobs = mixed_jobs(args.dataset, count, args.max_turns, first_job)
-                first_job += count
-                for label in load_order(labels, repeat):
-                    base = bases[label]
-                    before, started = engine_stats(base), time.perf_counter() - start
-                    outcomes, seconds = asyncio.run(
-                        run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
-                    )
-                    run = Run(outcomes, seconds, started, (before, engine_stats(base)))
-                    runs[label][concurrency].append(run)
-                    row = summarize(concurrency, outcomes, seconds)
-                    print(
-                        f"[{label}] concurrency {concurrency}, repeat {repeat + 1}: "
-                        f"{row['completed']}/{row['requests']} ok, "
-                        f"{row['output_throughput']:.1f} tok/s, TTFT p50 "
-                        f"{_ms(row['p50_ttft'])} ms, TPOT p50 {_ms(row['p50_tpot'])} ms",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+            with contextlib.ExitStack() as fresh:  # this repeat's servers, if restarted
+                if args.restart_servers:
+                    bases = started_servers(fresh, args, body)
+                labels = list(bases)
+                for concurrency in args.concurrency:
+                    count = max(args.min_requests, args.rounds * concurrency)
+                    jobs = mixed_jobs(args.dataset, count, args.max_turns, first_job)
+                    first_job += count
+                    for label in load_order(labels, repeat):
+                        base = bases[label]
+                        before, started = engine_stats(base), time.perf_counter() - start
+                        outcomes, seconds = asyncio.run(
+                            run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
+                        )
+                        run = Run(outcomes, seconds, started, (before, engine_stats(base)))
+                        runs[label][concurrency].append(run)
+                        row = summarize(concurrency, outcomes, seconds)
+                        print(
+                            f"[{label}] concurrency {concurrency}, repeat {repeat + 1}: "
+                            f"{row['completed']}/{row['requests']} ok, "
+                            f"{row['output_throughput']:.1f} tok/s, TTFT p50 "
+                            f"{_ms(row['p50_ttft'])} ms, TPOT p50 {_ms(row['p50_tpot'])} ms",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         results["settings"] = {
             label: [level_row(c, rs) for c, rs in levels.items()] for label, levels in runs.items()
         }
@@ -876,6 +888,13 @@ def add_arguments(p) -> None:
         help="run the whole sweep this many times, interleaved; throughput is the median run's",
     )
     p.add_argument("--min-requests", type=int, default=16, help="at least this many per level")
+    p.add_argument(
+        "--restart-servers",
+        action="store_true",
+        help="start every server afresh for each repeat: where a process's weights fall in "
+        "memory stays fixed while it lives (two loads of one artifact ran 3-4%% apart), so "
+        "the repeats' median averages it out",
+    )
     p.add_argument("--max-batch-size", type=int, default=8, help="the servers' batch size")
     p.add_argument(
         "--max-total-len", type=int, default=8192, help="the servers' KV cache, in tokens"

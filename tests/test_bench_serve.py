@@ -150,6 +150,25 @@ def test_bench_serve_sweep(tiny_llama, tmp_path):
     assert (tmp_path / "serve_bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_servers_restarted_for_each_repeat(tiny_llama, tmp_path, monkeypatch):
+    """``--restart-servers``: each repeat loads a server process of its own (where its weights
+    fall in memory changes with the process), and the repeats still make one row per level."""
+    launched, launch = [], bench.launched_server
+
+    def counted(cmd, env):
+        launched.append(cmd)
+        return launch(cmd, env)
+
+    monkeypatch.setattr(bench, "launched_server", counted)
+    argv = ["bench", "serve", "--model", str(tiny_llama.artifact), "--concurrency", "1"]
+    argv += ["--max-tokens", "2", "--min-requests", "2", "--rounds", "1", "--repeats", "2"]
+    argv += ["--speculative", "none", "--restart-servers", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    assert len(launched) == 2
+    rows = json.loads((tmp_path / "results.json").read_text())["settings"]["off"]
+    assert len(rows) == 1 and rows[0]["completed"] == rows[0]["requests"] == 4
+
+
 def test_conversations_turn_by_turn_with_and_without_the_prefix_cache(tiny_llama, tmp_path):
     """``--dataset sharegpt-chat``: each turn goes out with the history and the server's
     answers, so later turns find the earlier ones' pages in the prefix cache; the same server
