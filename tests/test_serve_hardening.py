@@ -195,8 +195,10 @@ def _finish_reason_or_error(events: list[str]) -> str:
 def test_sigterm_lets_streams_finish_within_the_timeout_then_ends_them(smollm2_int8):
     """Streams that finish within --shutdown-timeout finish; the rest end with an error event
     and [DONE] once it has passed, their sequences are aborted, and the process exits 0.
-    SmolLM2 serves: the tiny model answered all 8 long streams within the second on a Zen 5."""
-    args = ("--shutdown-timeout", "1", "--max-batch-size", "16")
+    SmolLM2 serves: the tiny model answered all 8 long streams within the second on a Zen 5.
+    The timeout is 2 s: the short streams' 40 tokens took 0.24-0.27 s after SIGTERM alone, and
+    in the full suite, beside another worker's test, one of them once took more than 1 s."""
+    args = ("--shutdown-timeout", "2", "--max-batch-size", "16")
     with ServeProcess(smollm2_int8, *args) as served:
         long = [Stream(served.url, f"w{i} w{i + 1}", 1000) for i in range(8)]
         short = [Stream(served.url, f"w{i} w{i + 3}", 40) for i in range(2)]
@@ -211,7 +213,7 @@ def test_sigterm_lets_streams_finish_within_the_timeout_then_ends_them(smollm2_i
         ended = [_finish_reason_or_error(s.join()) for s in long]
         assert [_finish_reason_or_error(s.join()) for s in short] == ["length"] * 2
     assert ended == ["error 503"] * 8
-    assert 1.0 <= max(s.stamps[-1] for s in long) - signalled < 3.0
+    assert 2.0 <= max(s.stamps[-1] for s in long) - signalled < 4.0
     assert code == 0, log
     assert "ending 8 running requests" in log
 
