@@ -41,15 +41,13 @@ os.environ["TVM_NUM_THREADS"] = str(THREADS)
 from workloads import (  # noqa: E402
     Run,
     closed_loop,
-    humaneval_prompts,
+    dataset_prompts,
     load_models,
     shared_engine,
-    sharegpt_turns,
 )
 
 from mlc_spec.runtime.engine import Engine  # noqa: E402
 from mlc_spec.runtime.params import EngineConfig, SamplingParams  # noqa: E402
-from mlc_spec.runtime.tokenizer import Tokenizer  # noqa: E402
 
 METHODS = {"smollm2": ("ngram", "suffix"), "qwen-pair": ("ngram", "draft")}
 TITLES = {
@@ -57,15 +55,6 @@ TITLES = {
     "qwen-pair": "Qwen2.5-Coder-1.5B-Instruct, 0.5B draft",
 }
 NONE, AGAIN = "none", "none, again"
-
-
-def prompts(tokenizer: Tokenizer, dataset: str, count: int) -> list[list[int]]:
-    """HumanEval prompts raw, ShareGPT opening turns in the chat template, as the server gets
-    them."""
-    if dataset == "humaneval":
-        return [tokenizer.encode(p) for p in humaneval_prompts(count)]
-    turns = sharegpt_turns(count)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in turns]
 
 
 def measure(
@@ -123,7 +112,7 @@ def main() -> None:
     rows = []
     count = (args.rounds + 1) * args.requests
     for dataset in args.datasets:
-        work = prompts(models[2], dataset, count)
+        work = dataset_prompts(models[2], dataset, count)
         for c in args.concurrency:
             # Fresh engines per cell: a suffix cache or cost tables from another cell would
             # carry over into this one.

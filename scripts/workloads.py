@@ -45,13 +45,19 @@ def sharegpt_turns(count: int, min_chars: int = 80, max_chars: int = 600) -> lis
     return list(itertools.islice((t for t in firsts if len(t) >= min_chars and t.isascii()), count))
 
 
+def dataset_prompts(tokenizer: Tokenizer, dataset: str, count: int) -> list[list[int]]:
+    """``count`` prompts as a server gets them: HumanEval (``humaneval``) raw, ShareGPT turns
+    (``sharegpt``) in the chat template."""
+    if dataset == "humaneval":
+        return [tokenizer.encode(p) for p in humaneval_prompts(count)]
+    turns = sharegpt_turns(count)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in turns]
+
+
 def mixed_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
     """``count`` prompts alternating HumanEval (raw) and ShareGPT turns (chat template)."""
-    code = [tokenizer.encode(p) for p in humaneval_prompts(-(-count // 2))]
-    prose = [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}])
-        for t in sharegpt_turns(count // 2)
-    ]
+    code = dataset_prompts(tokenizer, "humaneval", -(-count // 2))
+    prose = dataset_prompts(tokenizer, "sharegpt", count // 2)
     return [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
 
 
