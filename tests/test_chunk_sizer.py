@@ -1,10 +1,11 @@
-"""The chunk sizer: grows a chunk that fitted its allowance, shrinks one that did not."""
+"""The chunk sizer: grows a chunk that fitted its allowance, shrinks one that did not, each at
+most by a factor a step."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from mlc_spec.runtime.chunk_sizer import FIRST_CHUNK, MAX_GROWTH, ChunkSizer
+from mlc_spec.runtime.chunk_sizer import FIRST_CHUNK, MAX_GROWTH, MAX_SHRINK, ChunkSizer
 
 
 def test_a_chunk_that_fits_grows_and_one_that_overruns_shrinks_in_proportion():
@@ -16,7 +17,10 @@ def test_a_chunk_that_fits_grows_and_one_that_overruns_shrinks_in_proportion():
     assert sizer.size() == 10 * MAX_GROWTH
     sizer.ran(20, added=0.010, allowance=0.005)  # twice the allowance: half the tokens
     assert sizer.size() == 10
-    sizer.ran(10, added=1.0, allowance=0.005)  # never below a token
+    sizer.ran(10, added=1.0, allowance=0.005)  # a step slowed by more than its chunk
+    assert sizer.size() == 10 * MAX_SHRINK
+    sizer.ran(5, added=1.0, allowance=0.005)
+    sizer.ran(2, added=1.0, allowance=0.005)  # never below a token
     assert sizer.size() == 1
     sizer.ran(1, added=-0.001, allowance=0.005)  # the step's noise outweighed the chunk
     assert sizer.size() == 2
