@@ -276,8 +276,9 @@ class EngineConfig:
     # a step while a 2,000-token prompt is prefilled (512: ~45x; 16: ~2.6x, the prompt's first
     # token ~1.6x later than with 512; docs/benchmarks.md).
     max_num_batched_tokens: int = 64
-    # ... and in time: a chunk that adds at most this multiple of the decoding rows' plain step
-    # per waiting prompt, as measured in this process (runtime/chunk_sizer.py), so their steps
+    # ... and in time, for prompts longer than a prefill pass: a chunk that adds at most this
+    # multiple of the decoding rows' plain step per waiting prompt, as measured in this process
+    # (runtime/chunk_sizer.py), so their steps
     # take about (1 + this) times as long while a long prompt is prefilled, whatever its
     # context; at least a token, so prompts still advance. None: tokens only. Lower keeps the
     # streams smoother and makes the prompt wait longer for its first token: SmolLM2 int8 on 2

@@ -220,15 +220,20 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(t
 
 
 def test_a_chunk_is_also_bounded_in_time(tiny_llama):
-    """With a time ratio the chunk beside decoding rows takes what the chunk sizer says
-    (``FIRST_CHUNK`` before any chunk was measured), allowed that multiple of the rows' plain
-    step per waiting prompt, and every ``PLAIN_EVERY`` steps in a row that carried a chunk one
-    goes without, measuring the rows' plain step at their contexts; outputs are those of
-    whole-prompt passes."""
+    """With a time ratio the chunk of a prompt longer than a prefill pass beside decoding rows
+    takes what the chunk sizer says (``FIRST_CHUNK`` before any chunk was measured), allowed
+    that multiple of the rows' plain step per waiting prompt, and every ``PLAIN_EVERY`` steps
+    in a row that carried a chunk one goes without, measuring the rows' plain step at their
+    contexts; outputs are those of whole-prompt passes."""
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, logprobs=1)
     rng = np.random.default_rng(6)
     long_prompts = [list(rng.integers(3, VOCAB, 200)) for _ in range(2)]
-    llm = LLM(tiny_llama.artifact, max_num_batched_tokens=64, chunk_time_ratio=1.0)
+    llm = LLM(
+        tiny_llama.artifact,
+        max_num_batched_tokens=64,
+        chunk_time_ratio=1.0,
+        prefill_chunk_size=128,  # the prompts take two passes: bounded in time
+    )
     engine, scheduler = llm.engine, llm.engine.scheduler
     chunks = []  # tokens of the chunk in each plain step, None without one
     ran = scheduler.plain_step_ran
@@ -276,6 +281,48 @@ def test_a_chunk_is_also_bounded_in_time(tiny_llama):
         LLM(tiny_llama.artifact, chunk_time_ratio=0)
 
 
+def test_a_prompt_no_longer_than_a_pass_rides_at_the_token_budget(tiny_llama):
+    """The time bound spares a prompt one prefill pass takes whole: spread thinner, it would
+    add as much to the streams' time in all while its row idled longer. Beside two streams a
+    100-token prompt comes in 62 tokens a step, however small the chunk sizer's size and
+    whatever a plain step costs; a longer one waiting too brings the bound back.
+    Outputs are those of whole-prompt passes."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(8)
+    short, long = (list(rng.integers(3, VOCAB, n)) for n in (100, 200))
+    llm = LLM(
+        tiny_llama.artifact, max_num_batched_tokens=64, chunk_time_ratio=1.0, prefill_chunk_size=128
+    )
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    chunks = []
+    execute = engine._execute
+
+    def spy(plan):
+        chunks.append(None if plan.chunk is None else plan.chunk.tokens())
+        return execute(plan)
+
+    engine._execute = spy
+    streams = [engine.add_request(p, params) for p in (PROMPTS[0], PROMPTS[1])]
+    for _ in range(4):
+        engine.step()
+    scheduler.costs.decode = CostTable({2: 0.010})
+    scheduler.chunk_sizer.size = lambda: 4
+    late = engine.add_request(short, params)
+    chunks.clear()
+    engine.step()
+    assert chunks == [62] and scheduler._chunk_budget() == (62, None)
+    later = engine.add_request(long, params)
+    engine.step()
+    assert chunks == [62, 4]  # the short prompt's next 4: the long one waits too
+    assert scheduler._chunk_budget() == (4, 2 * 0.010)
+    while engine.has_unfinished():
+        engine.step()
+    whole = LLM(tiny_llama.artifact).generate([PROMPTS[0], PROMPTS[1], short, long], params)
+    got = [r.output(delta=False).outputs[0].token_ids for r in (*streams, late, later)]
+    assert got == [w.outputs[0].token_ids for w in whole]
+    _no_leak(llm)
+
+
 def test_the_chunk_sizer_learns_from_verify_steps_too(tiny_llama, tiny_llama_draft):
     """A chunk riding in a verify pass teaches the chunk sizer what it added to that pass as
     priced, so prompts do not stay at ``FIRST_CHUNK`` tokens a step while every step drafts;
@@ -287,6 +334,7 @@ def test_the_chunk_sizer_learns_from_verify_steps_too(tiny_llama, tiny_llama_dra
         speculative={"method": "draft", "num_speculative_tokens": 2},
         max_num_batched_tokens=64,
         chunk_time_ratio=1.0,
+        prefill_chunk_size=128,  # the late prompt takes two passes: bounded in time
     )
     engine, scheduler = llm.engine, llm.engine.scheduler
     learned = []  # (drafts in the step, chunk tokens) per lesson
