@@ -278,13 +278,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 64
     # ... and in time, for prompts longer than a prefill pass: a chunk that adds at most this
     # multiple of the decoding rows' plain step per waiting prompt, as measured in this process
-    # (runtime/chunk_sizer.py), so their steps
-    # take about (1 + this) times as long while a long prompt is prefilled, whatever its
-    # context; at least a token, so prompts still advance. None: tokens only. Lower keeps the
-    # streams smoother and makes the prompt wait longer for its first token: SmolLM2 int8 on 2
-    # cores, 8 streams beside a 2,000-token prompt: 0.5 / 0.75 / 1 kept their time per output
-    # token (p99) at 1.4 / 1.65 / 2.0x alone, and the prompt's first token came after 24 / 15 /
-    # 9 s (docs/benchmarks-features.md).
+    # (runtime/chunk_sizer.py), so their steps take about (1 + this) times as long while a long
+    # prompt is prefilled, whatever its context; at least a token, so prompts still advance.
+    # None: tokens only. Lower keeps the streams smoother and makes the prompt wait longer for
+    # its first token. 0.75 kept the p99 time per output token of 8 SmolLM2 int8 streams beside
+    # a 2,000-token prompt under 2x their median alone, on 2 cores of a Xeon and of Zen 5 (1 did
+    # not on Zen 5; docs/benchmarks-features.md and its git log).
     chunk_time_ratio: float | None = 0.75
     # Keep ended sequences' K/V pages and start new prompts from the longest cached prefix
     # (CPU artifacts; outputs are the same either way, docs/exactness.md).
