@@ -123,7 +123,9 @@ SERVING = Page(
 `mlc-spec serve` against llama-server on the same GGUF files and threads, loaded in turn by
 `mlc-spec bench serve` at each concurrency, written by `scripts/bench_serving.py` (laid out by
 `benchdoc.py`; nothing here is edited by hand): one section per model and CPU class, newest
-first. Single-stream decoding against llama.cpp is in [benchmarks.md](benchmarks.md).
+first. Beside them, automatic speculation against none in one process on shared weights
+(`scripts/bench_auto.py`), where no server process's memory placement weighs in.
+Single-stream decoding against llama.cpp is in [benchmarks.md](benchmarks.md).
 
 - **Goals:** automatic speculation >= 1.0x no speculation in every cell; mlc-spec (its best
   setting) >= 3x llama-server's throughput (its best) at concurrency >= 4; at concurrency 1,
@@ -141,6 +143,13 @@ first. Single-stream decoding against llama.cpp is in [benchmarks.md](benchmarks
             2,
             "`python scripts/bench_serving.py --pair qwen --rounds 1 --min-requests 4 --repeats 2 "
             "--write docs/benchmarks-serving.md`",
+        ),
+        Group(
+            "Automatic speculation against none in one process, on one copy of the weights",
+            rf"bench_auto-(?:smollm2|qwen-pair)(?:-varied)?{_CPU}",
+            3,
+            "`python scripts/bench_auto.py --write docs/benchmarks-serving.md` (and "
+            "`--pair qwen-pair`)",
         ),
         Group(
             "Async scheduling against synchronous steps",
@@ -197,13 +206,6 @@ and command: compare only figures from one section.""",
             rf"bench_router{_CPU}",
             1,
             "`python scripts/bench_router.py --write docs/benchmarks-features.md`",
-        ),
-        Group(
-            "Automatic speculation against none in one process, on one copy of the weights",
-            rf"bench_auto-(?:smollm2|qwen-pair)(?:-varied)?{_CPU}",
-            3,
-            "`python scripts/bench_auto.py --write docs/benchmarks-features.md` (and "
-            "`--pair qwen-pair`)",
         ),
         Group(
             "`mlc-spec serve` soaked: mixed load at concurrency 64, then SIGTERM",

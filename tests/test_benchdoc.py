@@ -99,4 +99,4 @@ def test_the_cpu_class_tells_zen5_from_zen4(monkeypatch, vendor, family, flags, 
     assert benchdoc.cpu_class() == label
     assert benchdoc.page_of(f"bench_cpu-smollm2-as-source-int8-{label}") is benchdoc.HEADLINE
     for pair in ("smollm2", "qwen-pair", "smollm2-varied"):
-        assert benchdoc.page_of(f"bench_auto-{pair}-{label}") is benchdoc.FEATURES
+        assert benchdoc.page_of(f"bench_auto-{pair}-{label}") is benchdoc.SERVING
