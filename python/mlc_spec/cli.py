@@ -422,8 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-time-ratio",
         type=float,
         default=0.75,
-        help="and in time: a chunk that adds at most this multiple of the decoding requests' "
-        "plain step (as measured in this server), at any context (default 0.75: their steps "
+        help="and in time, for prompts longer than a prefill pass (512 tokens): a chunk that "
+        "adds at most this multiple of the decoding requests' plain step (as measured in this "
+        "server), at any context (default 0.75: their steps "
         "take about 1.75 times as long while a long prompt is prefilled; lower: smoother "
         "streams, the prompt's first token later); 0: tokens only",
     )
