@@ -596,6 +596,16 @@ def started_servers(stack: contextlib.ExitStack, args, body: dict) -> dict[str, 
     return bases
 
 
+def load_level(base: str, jobs: list[Job], body: dict, concurrency: int, args, start: float) -> Run:
+    """The server at ``base`` loaded with ``jobs`` by ``concurrency`` clients, with its engine's
+    counters before and after; ``start``: the sweep's start (``time.perf_counter``)."""
+    before, started = engine_stats(base), time.perf_counter() - start
+    outcomes, seconds = asyncio.run(
+        run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
+    )
+    return Run(outcomes, seconds, started, (before, engine_stats(base)))
+
+
 def bench(args) -> dict[str, Any]:
     """The whole sweep; see ``add_arguments`` for what the options mean. Every server is
     started (and warmed) first, then each concurrency level loads them in turn, ``--repeats``
@@ -633,14 +643,9 @@ def bench(args) -> dict[str, Any]:
                     jobs = mixed_jobs(args.dataset, count, args.max_turns, first_job)
                     first_job += count
                     for label in load_order(labels, repeat):
-                        base = bases[label]
-                        before, started = engine_stats(base), time.perf_counter() - start
-                        outcomes, seconds = asyncio.run(
-                            run_level(base, jobs, body, concurrency, args.request_rate, args.seed)
-                        )
-                        run = Run(outcomes, seconds, started, (before, engine_stats(base)))
+                        run = load_level(bases[label], jobs, body, concurrency, args, start)
                         runs[label][concurrency].append(run)
-                        row = summarize(concurrency, outcomes, seconds)
+                        row = summarize(concurrency, run.outcomes, run.seconds)
                         print(
                             f"[{label}] concurrency {concurrency}, repeat {repeat + 1}: "
                             f"{row['completed']}/{row['requests']} ok, "
