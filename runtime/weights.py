@@ -27,11 +27,10 @@ def load_params(
 ) -> list[tvm.runtime.Tensor]:
     """The parameters in the order the functions take them, each checked against its record."""
     dtypes = [np.dtype(NUMPY_DTYPES[r.dtype]) for r in records]
+    on_cpu = device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+    carried = all(d.kind in "iuf" for d in dtypes)  # by DLPack (bfloat16 is CUDA's only)
     arena = None
-    if device.dlpack_device_type() == tvm.cpu().dlpack_device_type() and all(
-        d.kind in "iuf"
-        for d in dtypes  # what DLPack carries (bfloat16 is CUDA's only)
-    ):
+    if on_cpu and carried:
         arena = HugePageArena([(tuple(r.shape), d) for r, d in zip(records, dtypes, strict=True)])
     try:
         with safetensors.safe_open(str(path), framework="numpy") as f:
