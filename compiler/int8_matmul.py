@@ -888,7 +888,10 @@ class _Kernel:
     def _prefetch(self, sweep: _Sweep, g: _Index, distance: int, locality: int) -> list:
         """Prefetches (read, into cache level ``locality``: 3 L1, 2 L2, data) of the group
         ``distance`` code bytes of this sweep ahead: one line per word and vector, then the
-        lines of the same group's scales and offsets, separate streams."""
+        lines of the same group's scales and offsets, separate streams, and a two-level
+        format's those of its super-group: a panel reads only a few of them (6 for 1,536
+        columns), too short a stream for the hardware prefetchers, so each was a miss the
+        arithmetic waited for (docs/kernels.md)."""
         lanes, words = self.shape.lanes, self.shape.words
         codes, scales, offsets = self.params.codes, self.params.scales, self.params.offsets
         p, first, width = sweep.panel, sweep.first, sweep.width
@@ -898,12 +901,19 @@ class _Kernel:
             for i in range(width)
             for w in range(words)
         ]
-        for small in (scales, offsets):
-            if small is None:
+        per_super = self.fmt.super_group // self.fmt.group_size if self.fmt.super_group else 1
+        super_scales, super_offsets = self.params.super_scales, self.params.super_offsets
+        for buffer, index in (
+            (scales, g + ahead),
+            (offsets, g + ahead),
+            (super_scales, (g + ahead) // per_super),
+            (super_offsets, (g + ahead) // per_super),
+        ):
+            if buffer is None:
                 continue
-            step = max(1, _CACHE_LINE_BYTES // np.dtype(str(small.dtype)).itemsize)
+            step = max(1, _CACHE_LINE_BYTES // np.dtype(str(buffer.dtype)).itemsize)
             lines += [
-                small[p, g + ahead, first * lanes + lane] for lane in range(0, width * lanes, step)
+                buffer[p, index, first * lanes + lane] for lane in range(0, width * lanes, step)
             ]
         return [
             T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(line), 0, locality, 1)
