@@ -888,10 +888,10 @@ class _Kernel:
     def _prefetch(self, sweep: _Sweep, g: _Index, distance: int, locality: int) -> list:
         """Prefetches (read, into cache level ``locality``: 3 L1, 2 L2, data) of the group
         ``distance`` code bytes of this sweep ahead: one line per word and vector, then the
-        lines of the same group's scales and offsets, separate streams, and a two-level
-        format's those of its super-group: a panel reads only a few of them (6 for 1,536
-        columns), too short a stream for the hardware prefetchers, so each was a miss the
-        arithmetic waited for (docs/kernels.md)."""
+        lines of the same group's scales and offsets and of a two-level format's super-group
+        scales and offsets, separate streams. A panel reads few super-groups (6 for 1,536
+        columns), too short a stream for the hardware prefetchers to follow: unasked, each was
+        a miss that the arithmetic waited for (docs/kernels.md)."""
         lanes, words = self.shape.lanes, self.shape.words
         codes, scales, offsets = self.params.codes, self.params.scales, self.params.offsets
         p, first, width = sweep.panel, sweep.first, sweep.width
