@@ -110,19 +110,25 @@ class Compiled:
 
 
 class Eager:
-    """transformers in eager PyTorch with its DynamicCache (``past_key_values``)."""
+    """transformers in eager PyTorch with its DynamicCache."""
 
     def __init__(self, hf: Any):
+        import inspect
+
         import torch
         import transformers
 
         self.torch = torch
         self.hf = hf
         self.cache = transformers.DynamicCache(config=hf.config)
+        # transformers 5.24 renamed past_key_values to cache (the old name goes in 5.40)
+        self.cache_name = (
+            "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        )
 
     def _forward(self, tokens: list[int], **kwargs: Any) -> None:
         ids = self.torch.tensor([tokens])
-        self.hf(ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        self.hf(ids, use_cache=True, **{self.cache_name: self.cache}, **kwargs)
 
     def prefill(self, tokens: list[int]) -> None:
         # Only the last token's logits, like generate() and like our prefill.

@@ -14,6 +14,7 @@ short still reports; scripts/gpu_report.py lays the files out in docs/benchmarks
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 import statistics
@@ -367,11 +368,18 @@ class Checks:
         for batch in (1, 8):
             ids = torch.randint(3, m["vocab_size"], (batch, CONTEXT), device=self.device)
             with torch.no_grad():
-                past = ref(ids, use_cache=True).past_key_values
+                past = transformers.DynamicCache(config=ref.config)
+                # transformers 5.24 renamed past_key_values to cache (the old name goes in 5.40)
+                name = (
+                    "cache"
+                    if "cache" in inspect.signature(ref.forward).parameters
+                    else "past_key_values"
+                )
+                ref(ids, use_cache=True, **{name: past})
                 one = torch.full((batch, 1), 5, device=self.device)
 
-                def step(one=one, past=past) -> None:
-                    ref(one, past_key_values=past, use_cache=True)
+                def step(one=one, past=past, name=name) -> None:
+                    ref(one, use_cache=True, **{name: past})
                     past.crop(-1)  # drop the token just added
                     if self.on_gpu:
                         torch.cuda.synchronize()
