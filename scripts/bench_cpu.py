@@ -44,6 +44,7 @@ from benchdoc import (
 from llamacpp import FLASH_ATTN, bench, describe_build
 from peak_rss import engine_peak_rss, gib, run_measured
 from tokenizers import Tokenizer
+from transformers_cache import cache_argument
 
 if TYPE_CHECKING:
     from mlc_spec.runtime.model import Model
@@ -113,22 +114,17 @@ class Eager:
     """transformers in eager PyTorch with its DynamicCache."""
 
     def __init__(self, hf: Any):
-        import inspect
-
         import torch
         import transformers
 
         self.torch = torch
         self.hf = hf
         self.cache = transformers.DynamicCache(config=hf.config)
-        # transformers 5.24 renamed past_key_values to cache (the old name goes in 5.40)
-        self.cache_name = (
-            "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-        )
+        self.cache_argument = cache_argument(hf, self.cache)
 
     def _forward(self, tokens: list[int], **kwargs: Any) -> None:
         ids = self.torch.tensor([tokens])
-        self.hf(ids, use_cache=True, **{self.cache_name: self.cache}, **kwargs)
+        self.hf(ids, use_cache=True, **self.cache_argument, **kwargs)
 
     def prefill(self, tokens: list[int]) -> None:
         # Only the last token's logits, like generate() and like our prefill.

@@ -14,7 +14,6 @@ short still reports; scripts/gpu_report.py lays the files out in docs/benchmarks
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import shutil
 import statistics
@@ -31,6 +30,7 @@ import safetensors.torch
 import torch
 import transformers
 import tvm
+from transformers_cache import cache_argument
 
 from mlc_spec.errors import UserError
 from mlc_spec.runtime.artifact import ArtifactError
@@ -369,17 +369,11 @@ class Checks:
             ids = torch.randint(3, m["vocab_size"], (batch, CONTEXT), device=self.device)
             with torch.no_grad():
                 past = transformers.DynamicCache(config=ref.config)
-                # transformers 5.24 renamed past_key_values to cache (the old name goes in 5.40)
-                name = (
-                    "cache"
-                    if "cache" in inspect.signature(ref.forward).parameters
-                    else "past_key_values"
-                )
-                ref(ids, use_cache=True, **{name: past})
+                ref(ids, use_cache=True, **cache_argument(ref, past))
                 one = torch.full((batch, 1), 5, device=self.device)
 
-                def step(one=one, past=past, name=name) -> None:
-                    ref(one, use_cache=True, **{name: past})
+                def step(one=one, past=past) -> None:
+                    ref(one, use_cache=True, **cache_argument(ref, past))
                     past.crop(-1)  # drop the token just added
                     if self.on_gpu:
                         torch.cuda.synchronize()

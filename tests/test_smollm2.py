@@ -3,17 +3,17 @@ token, on the same GGUF file."""
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
 import transformers
+from bench_scripts import script
 from tokenizers import Tokenizer
 
 from mlc_spec.runtime.model import Model
 
 pytestmark = pytest.mark.slow
+transformers_cache = script("transformers_cache")
 
 PROMPTS = [
     "The capital of France is",
@@ -35,19 +35,13 @@ def _greedy(model: Model, prompt: list[int]) -> list[int]:
 @torch.no_grad()
 def _hf_greedy(hf: torch.nn.Module, prompt: list[int]) -> list[int]:
     """Plain argmax decoding with transformers' KV cache (no logits processors, no EOS stop)."""
-    cache = {cache_argument(hf): transformers.DynamicCache(config=hf.config)}
+    cache = transformers_cache.cache_argument(hf, transformers.DynamicCache(config=hf.config))
     out = hf(torch.tensor([prompt]), use_cache=True, **cache)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < NEW_TOKENS:
         out = hf(torch.tensor([[tokens[-1]]]), use_cache=True, **cache)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
-
-
-def cache_argument(hf: torch.nn.Module) -> str:
-    """The name ``hf.forward`` takes its KV cache by: transformers 5.24 renamed it from
-    ``past_key_values`` to ``cache``, and drops the old name in 5.40."""
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
 def test_greedy_generation_matches_transformers(smollm2, smollm2_hf):
