@@ -162,8 +162,14 @@ PAIRS = {
         "bench_speculative-smollm2-self",
     ),
 }
-# The engine's timers (``LLM.metrics()["seconds"]``) that split our configs' time.
-PHASES = ("prefill", "draft", "verify", "decode")
+# The engine's timers (``LLM.metrics()["seconds"]``) that split our configs' time, and what
+# each one times.
+PHASES = {
+    "prefill": "target prefill",
+    "draft": "draft passes with their catch-ups",
+    "verify": "verify",
+    "decode": "plain steps",
+}
 SPEED_GOAL = 2.5  # our best configuration over llama.cpp's best, end to end
 
 
@@ -563,6 +569,7 @@ def report(
             *sweeps(results),
             *checks(results, job),
             *goals(results, by_system, load),
+            *time_split(by_system),
             *(step_cost_lines(costs, results) if costs else []),
             memory,
             *(["", f"![tokens/s against k]({plot})"] if plot else []),
@@ -745,6 +752,26 @@ def _against(
         f"{baseline.config.label} (goal >= {goal}x with tokens identical to our plain "
         f"decoding: {verdict(ratio >= goal and identical, load)})"
     )
+
+
+def time_split(by_system: dict[str, list[Result]]) -> list[str]:
+    """Our best configuration's median round split by the engine's timers, and how much of it
+    the speed goal leaves: which parts a configuration meeting it would have to shrink."""
+    ours, llama = best(by_system["ours"]), best(by_system["llama"])
+    if ours is None or ours.first.phases is None:
+        return []
+    run = sorted(ours.rounds, key=lambda r: r.tokens_per_s)[len(ours.rounds) // 2]
+    parts = [(label, run.phases[phase]) for phase, label in PHASES.items()]
+    parts.append(("the rest (sampling, scheduling)", run.seconds - sum(s for _, s in parts)))
+    spent = ", ".join(f"{label} {s:.2f} s ({s / run.seconds:.0%})" for label, s in parts)
+    line = f"- Where our best's time went ({ours.config.label}, its median round): {spent}"
+    if llama is not None:
+        allowed = run.seconds * run.tokens_per_s / (SPEED_GOAL * llama.speed.mid)
+        line += (
+            f"; {SPEED_GOAL}x llama.cpp's best allows {allowed:.2f} s of its "
+            f"{run.seconds:.2f} s ({allowed / run.seconds - 1:+.0%})"
+        )
+    return [line]
 
 
 def step_cost_lines(costs: StepCosts, results: dict[str, Result]) -> list[str]:
